@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU worker, each beside a plain-PyTorch reference."""

@@ -1,0 +1,5 @@
+import sys
+
+from stride.cli import main
+
+sys.exit(main())

@@ -1,0 +1,260 @@
+"""Configuration: frozen dataclasses, one per concern, each field documented and checked on construction.
+
+A launch builds one :class:`StrideConfig` and hands each process the parts it needs (as JSON, never
+pickle). Environment variables are read only through :mod:`stride.env`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stride import env
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class IpcConfig:
+    """Where one launch's sockets and shared-memory segments live. Every address comes from here."""
+
+    run_dir: str
+    """Private runtime directory (mode 0700) holding this launch's ``ipc://`` socket files."""
+    launch_id: str
+    """Short random id that prefixes every shared-memory segment name of this launch."""
+
+    def __post_init__(self) -> None:
+        if not self.launch_id.isalnum():
+            raise ValueError(f"launch_id must be alphanumeric, got {self.launch_id!r}")
+        if not os.path.isabs(self.run_dir):
+            raise ValueError(f"run_dir must be absolute, got {self.run_dir!r}")
+
+    @staticmethod
+    def new_launch_id() -> str:
+        return secrets.token_hex(4)
+
+    def address(self, name: str) -> str:
+        """``ipc://`` address of the socket file ``name`` in this launch's runtime directory."""
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"bad socket name {name!r}")
+        return f"ipc://{self.run_dir}/{name}.sock"
+
+    def shm_name(self, name: str) -> str:
+        """POSIX shared-memory name of segment ``name``; all segments of a launch share the prefix."""
+        return f"{self.shm_prefix}{name}"
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"stride-{self.launch_id}-"
+
+    # The design card's sockets, one bound address each (the binder is named in brackets).
+    def frontend_address(self) -> str:
+        """[frontend binds, PULL] text deltas from the tokenizer pool."""
+        return self.address("frontend")
+
+    def client_address(self) -> str:
+        """[frontend binds, ROUTER] requests from :mod:`stride.client` (no HTTP)."""
+        return self.address("client")
+
+    def tokenizer_address(self, index: int) -> str:
+        """[tokenizer ``index`` binds, PULL] new requests from the frontend, token outputs from the scheduler."""
+        return self.address(f"tokenizer-{index}")
+
+    def scheduler_address(self) -> str:
+        """[scheduler binds, PULL] tokenized requests, aborts, step results from rank 0."""
+        return self.address("scheduler")
+
+    def worker_address(self) -> str:
+        """[rank 0 binds, PULL] step descriptors from the scheduler."""
+        return self.address("worker")
+
+    def control_address(self) -> str:
+        """[launcher binds, PULL] ready and failure reports from every process."""
+        return self.address("control")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_runtime_root() -> str:
+    return env.RUNTIME_ROOT.get() or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache as the scheduler sees it."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 1024
+    """Physical blocks in the pool (the worker sizes this with the planner from the memory it measures)."""
+    enable_prefix_caching: bool = True
+    """Share full blocks between requests of one tenant by content address."""
+    check_invariants: bool = field(default_factory=env.CHECK_INVARIANTS.get_bool)
+    """Cross-check the block manager's counts after every scheduler step (debug and test runs)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "num_blocks")
+
+
+@dataclass(frozen=True)
+class ServiceClass:
+    """A latency contract: a request of this class should see its first token within ``ttft_ms`` and
+    each later token within ``itl_ms`` of the previous one."""
+
+    name: str
+    """Name used in the API field ``service_class``."""
+    ttft_ms: float
+    """Time-to-first-token target, milliseconds."""
+    itl_ms: float
+    """Inter-token latency target, milliseconds."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"bad service class name {self.name!r}")
+        if not (self.ttft_ms > 0 and self.itl_ms > 0):
+            raise ValueError(f"service class {self.name}: targets must be positive")
+
+
+DEFAULT_SERVICE_CLASSES: tuple[ServiceClass, ...] = (
+    ServiceClass("interactive", ttft_ms=500.0, itl_ms=100.0),
+    ServiceClass("standard", ttft_ms=5_000.0, itl_ms=250.0),
+    ServiceClass("background", ttft_ms=120_000.0, itl_ms=2_000.0),
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler step and of the waiting queue."""
+
+    max_num_seqs: int = 256
+    """Most sequences running at once (rows of the block-table and batch arrays)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes plus prefill chunks."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt plus output) in tokens."""
+    max_waiting_requests: int = 1024
+    """Waiting-queue bound in requests; past it a new request is rejected at once."""
+    max_waiting_tokens: int = 1 << 20
+    """Waiting-queue bound in prompt tokens."""
+    service_classes: tuple[ServiceClass, ...] = DEFAULT_SERVICE_CLASSES
+    """Known service classes; a request naming another is refused."""
+    default_service_class: str = "standard"
+    """Class of a request that names none."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                  "max_waiting_requests", "max_waiting_tokens")
+        names = [c.name for c in self.service_classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate service class names: {names}")
+        if self.default_service_class not in names:
+            raise ValueError(f"default service class {self.default_service_class!r} not in {names}")
+
+    def service_class(self, name: str | None) -> ServiceClass:
+        """The named class (the default when ``name`` is None); ``ValueError`` naming the known ones."""
+        wanted = self.default_service_class if name is None else name
+        for c in self.service_classes:
+            if c.name == wanted:
+                return c
+        known = ", ".join(c.name for c in self.service_classes)
+        raise ValueError(f"unknown service_class {wanted!r}; known: {known}")
+
+
+def max_blocks_per_seq(sched: SchedulerConfig, cache: CacheConfig) -> int:
+    """Columns of the block-table array: enough blocks for the longest sequence."""
+    return -(-sched.max_model_len // cache.block_size)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a rank worker loads and where it runs."""
+
+    model: str = ""
+    """HF checkpoint directory or GGUF file; empty means the default model (SmolLM2-135M-Instruct GGUF)."""
+    backend: str = "torch"
+    """``torch`` (real model) or ``sim`` (simulated step times, deterministic tokens)."""
+    device: str = field(default_factory=env.DEVICE.get)
+    """``cpu`` or ``cuda``; empty picks CUDA when present."""
+    dtype: str = ""
+    """Run dtype (float32, bfloat16, float16); empty picks float32 on CPU, bfloat16 on CUDA."""
+    tensor_parallel_size: int = 1
+    """Ranks (one process per GPU)."""
+    gpu: str = "H100-SXM-80GB"
+    """GPU name in the planner's catalog, for the simulated backend's cost model."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the device memory the worker may use for weights, activations and KV cache."""
+    seed: int = 0
+    """Seed of the sampler's default generator."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tensor_parallel_size")
+        if self.backend not in ("torch", "sim"):
+            raise ValueError(f"backend must be 'torch' or 'sim', got {self.backend!r}")
+        if self.device not in ("", "cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP frontend and the tokenizer pool."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
+    port: int = 8000
+    """Port the HTTP server listens on."""
+    tokenizer_workers: int = 2
+    """Processes in the tokenizer pool."""
+    api_keys_file: str = ""
+    """File of ``KEY TENANT`` lines; empty means no auth and a single tenant."""
+    model_name: str = ""
+    """Name served under ``/v1/models``; empty derives it from the model path."""
+    retry_after_s: int = 1
+    """``Retry-After`` seconds sent with 429/503 refusals."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "tokenizer_workers", "retry_after_s")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.api_keys_file and not Path(self.api_keys_file).is_file():
+            raise ValueError(f"api keys file not found: {self.api_keys_file}")
+
+
+@dataclass(frozen=True)
+class StrideConfig:
+    """Everything one launch needs; each process receives it as JSON."""
+
+    ipc: IpcConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    worker: WorkerConfig = WorkerConfig()
+    server: ServerConfig = ServerConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> StrideConfig:
+        sched = dict(data["scheduler"])
+        sched["service_classes"] = tuple(ServiceClass(**c) for c in sched["service_classes"])
+        return StrideConfig(
+            ipc=IpcConfig(**data["ipc"]),
+            cache=CacheConfig(**data["cache"]),
+            scheduler=SchedulerConfig(**sched),
+            worker=WorkerConfig(**data["worker"]),
+            server=ServerConfig(**data["server"]),
+        )

@@ -1,0 +1,56 @@
+"""The one registry of ``STRIDE_*`` environment variables.
+
+Every environment variable Stride reads is declared here, with its type, default and meaning; code reads
+them through these objects, never through ``os.environ`` directly, so ``stride --help-env`` can list them all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def get_bool(self) -> bool:
+        return self.get().strip().lower() in ("1", "true", "yes", "on")
+
+    def get_int(self) -> int:
+        raw = self.get()
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{self.name}={raw!r} is not an integer") from None
+
+
+RUNTIME_ROOT = EnvVar(
+    "STRIDE_RUNTIME_ROOT", "",
+    "Folder under which each launch makes its private 0700 runtime directory (default: $XDG_RUNTIME_DIR "
+    "or the system temp folder).")
+CHECK_INVARIANTS = EnvVar(
+    "STRIDE_CHECK_INVARIANTS", "0",
+    "Run the block manager's invariant check after every scheduler step (on in tests).")
+LOG_LEVEL = EnvVar("STRIDE_LOG_LEVEL", "INFO", "Log level of every Stride process.")
+DEVICE = EnvVar("STRIDE_DEVICE", "", "Force the worker device (cpu, cuda); default: cuda when present.")
+ATTENTION_BACKEND = EnvVar(
+    "STRIDE_ATTENTION_BACKEND", "",
+    "Worker attention/norm backend: 'torch' (reference) or 'triton'; default: triton on CUDA, torch on CPU.")
+AUTOTUNE_CACHE = EnvVar(
+    "STRIDE_AUTOTUNE_CACHE", "",
+    "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
+
+REGISTRY: tuple[EnvVar, ...] = (
+    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, AUTOTUNE_CACHE,
+)
+
+
+def describe() -> str:
+    width = max(len(v.name) for v in REGISTRY)
+    return "\n".join(f"{v.name:<{width}}  {v.help} [default: {v.default!r}]" for v in REGISTRY)

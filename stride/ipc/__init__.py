@@ -1,0 +1,1 @@
+"""The IPC substrate: wire messages, typed ZeroMQ queues, shared-memory arrays, the runtime directory."""

@@ -1,0 +1,214 @@
+"""Every wire message, grouped by the process that receives it.
+
+Messages carry small control records (ids, offsets, lengths, step numbers). Per-step token ids, positions,
+block tables and sampled ids live in shared memory (:mod:`stride.ipc.layouts`); a step message only names
+the step. A prompt's token ids travel once, when the request enters the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stride.ipc.codec import Decoder, Message
+from stride.params import SamplingParams
+
+# ---------------------------------------------------------------- to the tokenizer pool
+
+
+@dataclass(frozen=True)
+class GenerateRequest(Message):
+    """Frontend → tokenizer: one sequence to generate. Exactly one of ``prompt``, ``prompt_token_ids``
+    and ``messages`` is set."""
+
+    TAG = "generate"
+    req_id: str
+    tenant: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    service_class: str | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens of one request in one step (scheduler → tokenizer, inside :class:`StepOutputs`)."""
+
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """``stop`` (EOS or stop token), ``length``, ``abort`` or ``error``; None while running."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[float] | None = None
+    """Log-probability of each token in ``token_ids`` (when asked for)."""
+    top_logprobs: list[list[list[float]]] | None = None
+    """Per token, the top alternatives as ``[token_id, logprob]`` pairs (when asked for)."""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepOutputs(Message):
+    """Scheduler → tokenizer ``i``: this step's outputs for the requests that tokenizer owns."""
+
+    TAG = "step_outputs"
+    outputs: list[TokenOutput]
+
+
+@dataclass(frozen=True)
+class ReleaseRequest(Message):
+    """Frontend → tokenizer: forget a request's detokenizer state (client gone)."""
+
+    TAG = "release"
+    req_id: str
+
+
+TO_TOKENIZER = (GenerateRequest, StepOutputs, ReleaseRequest)
+
+# ---------------------------------------------------------------- to the scheduler
+
+
+@dataclass(frozen=True)
+class TokenizedRequest(Message):
+    """Tokenizer → scheduler: a request ready to schedule; its outputs go back to ``tokenizer_index``."""
+
+    TAG = "tokenized"
+    req_id: str
+    tenant: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer_index: int
+    service_class: str | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest(Message):
+    """Frontend or tokenizer → scheduler: stop a request and free what it holds (client gone, stop string)."""
+
+    TAG = "abort"
+    req_id: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class StepDone(Message):
+    """Rank 0 → scheduler: step ``step`` ran; its sampled ids are in the step-output segment."""
+
+    TAG = "step_done"
+    step: int
+    error: str | None = None
+
+
+TO_SCHEDULER = (TokenizedRequest, AbortRequest, StepDone)
+
+# ---------------------------------------------------------------- to rank workers
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A sequence the worker has not seen: its slot and sampling parameters (sent once)."""
+
+    slot: int
+    req_id: str
+    params: SamplingParams
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class StepDescriptor(Message):
+    """Scheduler → rank 0: run step ``step``. Batch layout, token ids, positions and block tables are in
+    shared memory; this message carries only counts and the changes since the last step."""
+
+    TAG = "step"
+    step: int
+    num_seqs: int
+    num_tokens: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    finished_slots: list[int] = field(default_factory=list)
+    """Slots whose sequences ended since the last step (the worker drops their sampler state)."""
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    """Launcher or scheduler → any process: finish what is in hand and exit."""
+
+    TAG = "shutdown"
+    reason: str = ""
+
+
+TO_WORKER = (StepDescriptor, Shutdown)
+
+# ---------------------------------------------------------------- to the frontend
+
+
+@dataclass(frozen=True)
+class TextDelta(Message):
+    """Tokenizer → frontend: the next piece of one request's text (UTF-8-safe), and the end when it ends."""
+
+    TAG = "delta"
+    req_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+    """Per token: ``{"token", "logprob", "bytes", "top_logprobs"}`` (OpenAI chat shape)."""
+
+
+@dataclass(frozen=True)
+class RequestFailed(Message):
+    """Any process → frontend: a request cannot be served; ``status`` is the HTTP status to answer with."""
+
+    TAG = "failed"
+    req_id: str
+    status: int
+    message: str
+    code: str = ""
+
+
+TO_FRONTEND = (TextDelta, RequestFailed)
+
+# ---------------------------------------------------------------- to the launcher
+
+
+@dataclass(frozen=True)
+class ProcessReady(Message):
+    """Any process → launcher: started and serving; ``info`` holds what the launcher shows or passes on."""
+
+    TAG = "ready"
+    role: str
+    index: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress(Message):
+    """Any process → launcher: a step of a long start (weights loading)."""
+
+    TAG = "progress"
+    role: str
+    message: str
+    fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProcessFailed(Message):
+    """Any process → launcher: it cannot go on; the launcher shuts the launch down."""
+
+    TAG = "process_failed"
+    role: str
+    error: str
+    index: int = 0
+
+
+TO_LAUNCHER = (ProcessReady, Progress, ProcessFailed)
+
+ALL_MESSAGES = TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER
+
+
+def decoder_for(classes: tuple[type[Message], ...]) -> Decoder[Message]:
+    return Decoder(classes)
