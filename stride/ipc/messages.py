@@ -170,7 +170,74 @@ class RequestFailed(Message):
     code: str = ""
 
 
-TO_FRONTEND = (TextDelta, RequestFailed)
+@dataclass(frozen=True)
+class SchedulerStats(Message):
+    """Scheduler → frontend, now and then: gauges the frontend exports on ``/metrics``."""
+
+    TAG = "sched_stats"
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_blocks_live: int = 0
+    num_blocks_cached: int = 0
+    num_blocks_free: int = 0
+    num_preemptions: int = 0
+    """Preemptions since the scheduler started (a running total, exported as a counter)."""
+
+
+TO_FRONTEND = (TextDelta, RequestFailed, SchedulerStats)
+"""A ``RequestFailed`` with code ``worker_dead`` also turns ``/health`` unhealthy; with an empty ``req_id``
+it fails every request in flight."""
+
+# ---------------------------------------------------------------- to and from the client library
+
+
+@dataclass(frozen=True)
+class ClientGenerate(Message):
+    """:mod:`stride.client` → frontend (DEALER → ROUTER at ``client_address``): one sequence to generate.
+
+    ``req_id`` is the client's own (unique per connection). Exactly one of ``prompt``, ``prompt_token_ids``
+    and ``messages`` is set. ``params`` uses the OpenAI field names (``max_tokens``, ``temperature``,
+    ``stop``, ``seed``, ``logprobs`` as an int, ``service_class``...) and is validated like an HTTP body."""
+
+    TAG = "client_generate"
+    req_id: str
+    api_key: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientAbort(Message):
+    """:mod:`stride.client` → frontend: stop one of this connection's requests."""
+
+    TAG = "client_abort"
+    req_id: str
+
+
+TO_CLIENT_SERVER = (ClientGenerate, ClientAbort)
+
+
+@dataclass(frozen=True)
+class ClientOutput(Message):
+    """Frontend → :mod:`stride.client`: the next piece of a request (like :class:`TextDelta`), or its
+    failure (``status`` != 200, ``error`` set; always the last message of that request)."""
+
+    TAG = "client_output"
+    req_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[dict[str, Any]] | None = None
+    status: int = 200
+    error: str | None = None
+
+
+TO_CLIENT = (ClientOutput,)
 
 # ---------------------------------------------------------------- to the launcher
 
@@ -207,7 +274,8 @@ class ProcessFailed(Message):
 
 TO_LAUNCHER = (ProcessReady, Progress, ProcessFailed)
 
-ALL_MESSAGES = TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER
+ALL_MESSAGES = (TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER + TO_CLIENT_SERVER
+                + TO_CLIENT)
 
 
 def decoder_for(classes: tuple[type[Message], ...]) -> Decoder[Message]:
