@@ -1,0 +1,118 @@
+"""The block manager's cross-checks, kept apart from the hot path.
+
+Every check compares two things that are maintained separately -- a count with its container, a ref count
+with the block tables recomputed, the index with the cached and live sets -- so each one can fail. Raises
+``AssertionError`` explicitly (not ``assert``), so the checks also run under ``python -O``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from stride.sched.prefix_hash import chain_hashes
+
+if TYPE_CHECKING:
+    from stride.sched.block_manager import BlockManager
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(f"block manager invariant: {msg}")
+
+
+def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
+    n = bm.num_blocks
+    free, cached, live = bm._free, bm._cached, bm._live
+
+    # 1. Each count against the size of the structure that owns it, then the partition identity.
+    for name, struct in (("free", free), ("cached", cached), ("live", live)):
+        if struct.num != struct.size():
+            _fail(f"num_{name} = {struct.num} but the {name} structure holds {struct.size()} blocks")
+    if free.num + cached.num + live.num != n:
+        _fail(f"live {live.num} + cached {cached.num} + free {free.num} != capacity {n}")
+
+    # 2. No block in two places, none outside the pool, none missing.
+    free_ids = free.block_ids()
+    free_set, cached_set, live_set = set(free_ids), set(cached.block_ids()), set(live.block_ids())
+    if len(free_set) != len(free_ids):
+        _fail("a block is on the free list twice")
+    for (name_a, set_a), (name_b, set_b) in ((("free", free_set), ("cached", cached_set)),
+                                             (("free", free_set), ("live", live_set)),
+                                             (("cached", cached_set), ("live", live_set))):
+        both = set_a & set_b
+        if both:
+            _fail(f"block {min(both)} is both {name_a} and {name_b}")
+    everything = free_set | cached_set | live_set
+    if everything != set(range(n)):
+        odd = sorted(everything ^ set(range(n)))
+        _fail(f"block {odd[0]} is {'out of range' if odd[0] in everything else 'nowhere'}")
+
+    # 3. Block tables: rows of empty slots are -1, occupied rows hold exactly their blocks, then -1.
+    tables = bm.block_tables
+    row_blocks = np.zeros(tables.shape[0], dtype=np.int64)
+    for slot, seq in enumerate(bm._seqs):
+        if seq is None:
+            continue
+        want = -(-len(seq.tokens) // bm.block_size)
+        if seq.num_blocks != want:
+            _fail(f"slot {slot} has {seq.num_blocks} blocks for {len(seq.tokens)} tokens (want {want})")
+        if seq.num_hashed > len(seq.tokens) // bm.block_size:
+            _fail(f"slot {slot} claims {seq.num_hashed} hashed blocks of {len(seq.tokens)} tokens")
+        row_blocks[slot] = seq.num_blocks
+        row = tables[slot, :seq.num_blocks].tolist()
+        if len(set(row)) != len(row):
+            _fail(f"slot {slot} holds a block twice: {row}")
+    occupied = np.arange(tables.shape[1])[None, :] < row_blocks[:, None]
+    if not (tables[~occupied] == -1).all():
+        slot = int(np.nonzero((tables != -1) & ~occupied)[0][0])
+        _fail(f"block-table row {slot} has an entry past its blocks (or the slot is empty)")
+    entries = tables[occupied]
+    if entries.size and (entries.min() < 0 or entries.max() >= n):
+        _fail(f"a block table holds an id outside [0, {n}): {int(entries.min())}..{int(entries.max())}")
+
+    # 4. Ref counts recomputed from the tables; live <=> referenced.
+    counts = np.bincount(entries, minlength=n)
+    ref = np.asarray(bm._ref)
+    wrong = np.nonzero(counts != ref)[0]
+    if wrong.size:
+        b = int(wrong[0])
+        _fail(f"block {b} has ref count {ref[b]} but {counts[b]} block-table entries")
+    referenced = set(np.nonzero(counts)[0].tolist())
+    if referenced != live_set:
+        b = min(referenced ^ live_set)
+        _fail(f"block {b} is {'live' if b in live_set else 'not live'} with {counts[b]} references")
+
+    # 5. Index <=> cached/live: every indexed block is live or cached, every cached block is indexed.
+    index, block_hashes = bm._index, bm._block_hash
+    hashed = {b for b, h in enumerate(block_hashes) if h is not None}
+    if len(set(index.values())) != len(index):
+        _fail("two addresses point at one block")
+    if set(index.values()) != hashed:
+        _fail(f"block {min(set(index.values()) ^ hashed)} is in the index xor carries an address")
+    for h, b in index.items():
+        if block_hashes[b] != h:
+            _fail(f"the index maps {h.hex()} to block {b}, which carries another address")
+        if b in free_set:
+            _fail(f"indexed block {b} is on the free list")
+    unindexed = cached_set - hashed
+    if unindexed:
+        _fail(f"cached block {min(unindexed)} is not indexed")
+
+    if deep:
+        _check_addresses(bm)
+
+
+def _check_addresses(bm: BlockManager) -> None:
+    """Every address a running sequence knows, recomputed from its tokens."""
+    for slot, seq in enumerate(bm._seqs):
+        if seq is None:
+            continue
+        want = chain_hashes(seq.seed, seq.tokens, bm.block_size, seq.num_hashed)
+        if (want[-1] if want else seq.seed) != seq.last_hash:
+            _fail(f"slot {slot}: chain address after {seq.num_hashed} blocks disagrees with its tokens")
+        row = bm.block_tables[slot, :seq.num_hashed].tolist()
+        for i, (b, h) in enumerate(zip(row, want, strict=True)):
+            known = bm._block_hash[b]
+            if known is not None and known != h:
+                _fail(f"slot {slot} block {i} (physical {b}) is indexed under another prefix's address")

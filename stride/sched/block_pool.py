@@ -1,0 +1,128 @@
+"""The three places a KV block can be: live, cached (evictable), free.
+
+Each structure keeps its own count (``num``) next to its container, updated by its own methods. The block
+manager never derives one count from the others, so :meth:`BlockManager.assert_invariants` can compare
+three independent numbers with the capacity and with each container's real size -- and a drifted count
+shows up as a failure instead of being absorbed by the algebra.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Neither a free nor an evictable block is left (the caller skipped ``can_allocate``/``can_append``)."""
+
+
+class FreeList:
+    """Blocks with no content, handed out first-in first-out. Owns ``num_free``."""
+
+    __slots__ = ("_blocks", "num")
+
+    def __init__(self, block_ids: Iterable[int]) -> None:
+        self._blocks: deque[int] = deque(block_ids)
+        self.num = len(self._blocks)
+
+    def push(self, block_id: int) -> None:
+        self._blocks.append(block_id)
+        self.num += 1
+
+    def pop_many(self, count: int) -> list[int]:
+        if count > self.num:
+            raise NoFreeBlocksError(f"asked for {count} free blocks, have {self.num}")
+        pop = self._blocks.popleft
+        out = [pop() for _ in range(count)]
+        self.num -= count
+        return out
+
+    def size(self) -> int:
+        return len(self._blocks)
+
+    def block_ids(self) -> list[int]:
+        return list(self._blocks)
+
+
+class EvictableLRU:
+    """Cached blocks (ref count 0, still indexed), least recently freed first. Owns ``num_cached``.
+
+    Callers push a freed chain tail first, so within one chain the tail is evicted before its head: a head
+    evicted first would strand its still-cached tail (a lookup stops at the first miss)."""
+
+    __slots__ = ("_blocks", "num")
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.num = 0
+
+    def push(self, block_id: int) -> None:
+        self._blocks[block_id] = None
+        self.num += 1
+
+    def remove(self, block_id: int) -> None:
+        del self._blocks[block_id]
+        self.num -= 1
+
+    def pop_oldest(self) -> int:
+        block_id, _ = self._blocks.popitem(last=False)
+        self.num -= 1
+        return block_id
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def size(self) -> int:
+        return len(self._blocks)
+
+    def block_ids(self) -> list[int]:
+        """Oldest (next to evict) first."""
+        return list(self._blocks)
+
+
+class LiveSet:
+    """Blocks referenced by at least one block table. Owns ``num_live``."""
+
+    __slots__ = ("_blocks", "num")
+
+    def __init__(self) -> None:
+        self._blocks: set[int] = set()
+        self.num = 0
+
+    def add(self, block_id: int) -> None:
+        self._blocks.add(block_id)
+        self.num += 1
+
+    def add_many(self, block_ids: list[int]) -> None:
+        self._blocks.update(block_ids)
+        self.num += len(block_ids)
+
+    def remove(self, block_id: int) -> None:
+        self._blocks.remove(block_id)
+        self.num -= 1
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._blocks
+
+    def size(self) -> int:
+        return len(self._blocks)
+
+    def block_ids(self) -> list[int]:
+        return sorted(self._blocks)
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """A snapshot for metrics. The three state counts come from their structures; the rest are counters
+    since the manager was made."""
+
+    num_live: int
+    num_cached: int
+    num_free: int
+    hit_tokens: int
+    """Prompt tokens served from the prefix cache (``allocate``'s return values, summed)."""
+    query_tokens: int
+    """Prompt tokens looked up (every ``allocate``)."""
+    num_evictions: int
+    """Cached blocks dropped from the index to make room."""
