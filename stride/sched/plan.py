@@ -1,0 +1,115 @@
+"""What one scheduler step hands out: the step plan, per-request updates, rejections, and plain-array
+step buffers for tests, the simulator and replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from stride.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
+from stride.ipc.messages import NewSequence, StepDescriptor
+
+# Rejection reasons and the HTTP status the frontend answers with.
+REJECT_STATUS = {"queue_full": 429, "overloaded": 503, "too_long": 400}
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A request refused at once (never queued). ``status`` is the HTTP status to answer with."""
+
+    reason: str
+    """``queue_full`` (429), ``overloaded`` (503) or ``too_long`` (400)."""
+    message: str
+
+    @property
+    def status(self) -> int:
+        return REJECT_STATUS[self.reason]
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """One request's news from one step: new tokens, and the finish reason when it ended."""
+
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """``stop`` (EOS or a stop token), ``length`` (max_tokens or max_model_len) or ``abort``."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StepArraysLike(Protocol):
+    """The step arrays the scheduler writes (a subset of :class:`stride.ipc.layouts.StepBuffers`)."""
+
+    block_tables: np.ndarray
+    token_ids: np.ndarray
+    positions: np.ndarray
+    seq_slots: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    sample_flags: np.ndarray
+
+
+class StepArrays:
+    """Plain-numpy stand-in for :class:`~stride.ipc.layouts.StepBuffers` (same names, dtypes, shapes)."""
+
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+        s, t = sched.max_num_seqs, sched.max_num_batched_tokens
+        self.block_tables = np.full((s, max_blocks_per_seq(sched, cache)), -1, dtype=np.int32)
+        self.token_ids = np.zeros(t, dtype=np.int32)
+        self.positions = np.zeros(t, dtype=np.int32)
+        self.seq_slots = np.zeros(s, dtype=np.int32)
+        self.query_lens = np.zeros(s, dtype=np.int32)
+        self.context_lens = np.zeros(s, dtype=np.int32)
+        self.sample_flags = np.zeros(s, dtype=np.int8)
+        self.sampled_ids = np.full(s, -1, dtype=np.int32)
+
+
+@dataclass
+class StepPlan:
+    """One step's decisions. Row ``i`` of the arrays is the i-th scheduled sequence, in the order its
+    tokens appear in the flattened batch; the same rows were written to the step buffers."""
+
+    step: int
+    req_ids: list[str]
+    slots: np.ndarray
+    """int32 (num_seqs,): block-table row of each scheduled sequence."""
+    query_lens: np.ndarray
+    """int32: tokens each runs this step."""
+    start_positions: np.ndarray
+    """int32: position of its first token this step (= tokens already computed)."""
+    sample_flags: np.ndarray
+    """bool: whether it samples a token (its last prompt/output token runs this step)."""
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    finished_slots: list[int] = field(default_factory=list)
+    """Slots freed since the last step (finished, aborted or preempted). A slot may appear here and in
+    ``new_seqs`` of the same step: the worker drops the old sequence first."""
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+    def descriptor(self) -> StepDescriptor:
+        """The message that sends this step to rank 0 (the arrays travel in shared memory)."""
+        return StepDescriptor(step=self.step, num_seqs=self.num_seqs, num_tokens=self.num_tokens,
+                              new_seqs=list(self.new_seqs), finished_slots=list(self.finished_slots))
+
+    def decisions(self) -> dict[str, Any]:
+        """JSON-ready summary of every decision (what a trace records and replay compares)."""
+        return {
+            "req_ids": list(self.req_ids),
+            "slots": self.slots.tolist(),
+            "query_lens": self.query_lens.tolist(),
+            "start_positions": self.start_positions.tolist(),
+            "sample": [int(x) for x in self.sample_flags],
+            "new": [[n.slot, n.req_id, n.prompt_len] for n in self.new_seqs],
+            "finished_slots": list(self.finished_slots),
+            "preempted": list(self.preempted_ids),
+        }

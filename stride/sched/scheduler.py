@@ -1,0 +1,289 @@
+"""The scheduler core: one step at a time, in logical time.
+
+Each :meth:`Scheduler.schedule` call decides one step under ``max_num_batched_tokens`` and the block pool:
+
+1. **decodes first** -- every running sequence with one token left to run gets it, if its block can be
+   appended; under memory pressure the running sequence with the most slack is preempted (its blocks
+   released, full ones staying cached; its tokens kept; back in the waiting queue);
+2. **running prefills** continue into the remaining budget (least slack first);
+3. **admission** by slack (deadline - now) from the waiting queue, each admitted request taking blocks for
+   all its tokens (reusing its tenant's cached prefix) and a first prefill chunk of what budget is left.
+
+:meth:`Scheduler.update` then applies the step's sampled tokens. The loop is synchronous: ``schedule``
+is not called again before ``update`` of the step in flight. Per-slot numpy arrays carry the state the
+decode path needs, so a step with a thousand decodes is a few vector operations plus the block
+manager's per-slot calls. Nothing here reads the wall clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from stride.config import CacheConfig, SchedulerConfig
+from stride.params import SamplingParams
+from stride.sched.block_manager import BlockManager
+from stride.sched.plan import Rejection, StepArraysLike, StepPlan, Update
+from stride.sched.queue import WaitingQueue
+from stride.sched.request import Request, RequestStatus
+from stride.sched.stats import SchedulerCounters, SchedulerMetrics
+from stride.sched.step_builder import build_step
+from stride.sched.trace import TraceWriter
+
+
+class Scheduler:
+    """Owns the request table, the waiting queue and the block manager (over ``buffers.block_tables``).
+
+    ``buffers`` is any object with the step arrays of :class:`~stride.sched.plan.StepArraysLike` (the
+    shared-memory :class:`~stride.ipc.layouts.StepBuffers` in production, plain arrays in tests).
+    """
+
+    def __init__(self, sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, buffers: StepArraysLike, *,
+                 eos_token_ids: Sequence[int] = (), trace: TraceWriter | None = None) -> None:
+        self.cfg = sched_cfg
+        self.cache_cfg = cache_cfg
+        self.buffers = buffers
+        self.block_size = cache_cfg.block_size
+        self.bm = BlockManager(cache_cfg.num_blocks, cache_cfg.block_size, buffers.block_tables,
+                               enable_prefix_caching=cache_cfg.enable_prefix_caching)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._eos = np.array(self.eos_token_ids, dtype=np.int64)
+        self.waiting = WaitingQueue(sched_cfg.max_waiting_requests, sched_cfg.max_waiting_tokens)
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+        self._trace = trace
+        num_slots = sched_cfg.max_num_seqs
+        self._slot_req: list[Request | None] = [None] * num_slots
+        self._free_slots = list(range(num_slots))  # a heap: lowest slot first, so runs are deterministic
+        # Freed since the last plan: the next descriptor names them so the worker drops their state
+        # before it sees any new sequence in a reused slot.
+        self._freed_slots: list[int] = []
+        # Per-slot state of running sequences (authoritative while a request runs).
+        self._running = np.zeros(num_slots, dtype=bool)
+        self._in_step = np.zeros(num_slots, dtype=bool)
+        self._num_tokens = np.zeros(num_slots, dtype=np.int64)
+        self._num_computed = np.zeros(num_slots, dtype=np.int64)
+        self._num_alloc = np.zeros(num_slots, dtype=np.int64)  # tokens recorded in the block manager
+        self._last_token = np.zeros(num_slots, dtype=np.int64)
+        self._deadline = np.zeros(num_slots, dtype=np.float64)
+        self._seq_no = np.zeros(num_slots, dtype=np.int64)
+        self._max_len = np.zeros(num_slots, dtype=np.int64)
+        self._itl = np.zeros(num_slots, dtype=np.float64)
+        self._stop_on_eos = np.zeros(num_slots, dtype=bool)
+        self._has_stop_ids = np.zeros(num_slots, dtype=bool)
+        self._inflight: StepPlan | None = None
+        self._step = 0
+        self._seq_counter = 0
+        if trace is not None:
+            trace.write_config(sched_cfg, cache_cfg, self.eos_token_ids)
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, req_id: str, tenant: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    service_class: str | None, now: float) -> Rejection | None:
+        """Queue a request, or refuse it at once. Unknown ``service_class`` or a duplicate ``req_id``:
+        ``ValueError``. A prompt that can never run (longer than max_model_len or than the block pool can
+        hold with its output) is refused as ``too_long``; a full queue as ``queue_full``/``overloaded``."""
+        klass = self.cfg.service_class(service_class)
+        if req_id in self.requests:
+            raise ValueError(f"duplicate req_id {req_id!r}")
+        prompt = [int(t) for t in prompt_token_ids]
+        rejection = self._refusal(prompt, params)
+        if self._trace is not None:
+            self._trace.write("add", now, req_id=req_id, tenant=tenant, prompt=prompt, params=params,
+                              service_class=service_class, rejected=rejection and rejection.reason)
+        if rejection is not None:
+            self.counters.rejections[rejection.reason] = self.counters.rejections.get(rejection.reason, 0) + 1
+            return rejection
+        req = Request(req_id, tenant, prompt, params, klass, now, self._seq_counter)
+        self._seq_counter += 1
+        req.max_len = min(len(prompt) + params.max_tokens, self.cfg.max_model_len)
+        self.requests[req_id] = req
+        self.waiting.push(req)
+        return None
+
+    def _refusal(self, prompt: list[int], params: SamplingParams) -> Rejection | None:
+        n = len(prompt)
+        if n == 0:
+            return Rejection("too_long", "empty prompt")
+        if n >= self.cfg.max_model_len:
+            return Rejection("too_long", f"prompt of {n} tokens; max_model_len is {self.cfg.max_model_len} "
+                                         "(prompt plus at least one output token)")
+        # Admission takes blocks for all tokens at once, so a request that cannot fit the whole pool
+        # alone could never run.
+        need = -(-min(n + params.max_tokens, self.cfg.max_model_len) // self.block_size)
+        if need > self.cache_cfg.num_blocks:
+            return Rejection("too_long", f"prompt ({n}) plus max_tokens ({params.max_tokens}) needs {need} "
+                                         f"KV blocks; the pool has {self.cache_cfg.num_blocks}")
+        why = self.waiting.refusal(n)
+        if why == "queue_full":
+            return Rejection(why, f"{len(self.waiting)} requests waiting (limit {self.waiting.max_requests})")
+        if why == "overloaded":
+            return Rejection(why, f"{self.waiting.num_tokens} tokens waiting; {n} more would pass the "
+                                  f"limit of {self.waiting.max_tokens}")
+        return None
+
+    def abort(self, req_id: str, now: float) -> Update | None:
+        """Stop a request (client gone). Its blocks and slot are freed now, or -- when it is in the step
+        in flight, whose block-table rows the workers are reading -- at that step's :meth:`update`.
+        Returns the final update (``finish_reason="abort"``), or None for an unknown/finished request."""
+        req = self.requests.get(req_id)
+        if self._trace is not None:
+            self._trace.write("abort", now, req_id=req_id)
+        if req is None or req.aborted:
+            return None
+        req.aborted = True
+        self.counters.num_aborted += 1
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+            self._finish(req, "abort")
+        elif not self._in_step[req.slot]:
+            self._finish(req, "abort")
+        return Update(req_id, [], "abort", req.num_prompt_tokens, req.num_cached_tokens)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req.slot >= 0:
+            self.bm.free(req.slot)
+            self._drop_slot(req)
+        del self.requests[req.req_id]
+        self.counters.num_finished += 1
+
+    def _drop_slot(self, req: Request) -> None:
+        slot = req.slot
+        self._running[slot] = False
+        self._slot_req[slot] = None
+        self._freed_slots.append(slot)
+        heapq.heappush(self._free_slots, slot)
+        req.slot = -1
+
+    def _preempt(self, slot: int, plan_preempted: list[str]) -> None:
+        req = self._slot_req[slot]
+        assert req is not None
+        self.bm.release(slot)
+        self._drop_slot(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        plan_preempted.append(req.req_id)
+        self.waiting.push(req)
+
+    def _admit(self, req: Request, slot: int) -> int:
+        """Give ``req`` a slot and blocks for all its tokens; returns tokens served by the prefix cache."""
+        tokens = req.token_ids
+        num_cached = self.bm.allocate(slot, req.tenant, tokens)
+        if req.num_preemptions:
+            self.counters.num_resumptions += 1
+        else:
+            req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        req.slot = slot
+        req.num_computed_tokens = num_cached
+        self._slot_req[slot] = req
+        self._running[slot] = True
+        self._num_tokens[slot] = len(tokens)
+        self._num_computed[slot] = num_cached
+        self._num_alloc[slot] = len(tokens)
+        self._last_token[slot] = tokens[-1]
+        self._deadline[slot] = req.deadline
+        self._seq_no[slot] = req.seq_no
+        self._max_len[slot] = req.max_len
+        self._itl[slot] = req.service_class.itl_ms / 1000.0
+        self._stop_on_eos[slot] = not req.params.ignore_eos
+        self._has_stop_ids[slot] = bool(req.params.stop_token_ids)
+        return num_cached
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self, now: float) -> StepPlan:
+        """Decide the next step and write it into the step buffers. An empty plan (``num_seqs == 0``)
+        changes nothing: it need not be sent, and needs no :meth:`update`."""
+        if self._inflight is not None:
+            raise RuntimeError(f"schedule() called before update() of step {self._inflight.step}")
+        plan = build_step(self, now)
+        if plan.num_seqs:
+            self._step += 1
+            self._inflight = plan
+            self._in_step[plan.slots] = True
+        if self.cache_cfg.check_invariants:
+            self.bm.assert_invariants()
+        if self._trace is not None:
+            self._trace.write("schedule", now, step=plan.step, decisions=plan.decisions())
+        return plan
+
+    def update(self, plan: StepPlan, sampled_ids: np.ndarray, now: float) -> list[Update]:
+        """Apply step ``plan``'s sampled tokens (row ``i`` of ``sampled_ids`` belongs to row ``i`` of the
+        plan; rows that do not sample are ignored). Appends tokens, ends requests on max_tokens /
+        max_model_len (``length``) or EOS / a stop token (``stop``), frees what finished."""
+        if plan.num_seqs == 0:
+            return []
+        if plan is not self._inflight:
+            raise RuntimeError(f"update() for step {plan.step}, but the step in flight is "
+                               f"{self._inflight.step if self._inflight else None}")
+        self._inflight = None
+        n = plan.num_seqs
+        slots = plan.slots
+        self._in_step[slots] = False
+        sampled = np.asarray(sampled_ids[:n], dtype=np.int64)
+        if self._trace is not None:
+            self._trace.write("update", now, step=plan.step,
+                              sampled=np.where(plan.sample_flags, sampled, -1).tolist())
+        rows = np.flatnonzero(plan.sample_flags)
+        s_slots = slots[rows]
+        toks = sampled[rows]
+        new_len = self._num_tokens[s_slots] + 1
+        self._num_tokens[s_slots] = new_len
+        self._last_token[s_slots] = toks
+        stop = np.zeros(len(rows), dtype=bool)
+        if len(self._eos):
+            stop = np.isin(toks, self._eos) & self._stop_on_eos[s_slots]
+        length = new_len >= self._max_len[s_slots]
+        check_ids = self._has_stop_ids[s_slots]
+        updates: list[Update] = []
+        slot_req = self._slot_req
+        for j, (slot, tok) in enumerate(zip(s_slots.tolist(), toks.tolist(), strict=True)):
+            req = slot_req[slot]
+            assert req is not None
+            if req.aborted:
+                continue
+            req.output_token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            req.deadline = now + req.service_class.itl_ms / 1000.0
+            req.num_computed_tokens = int(self._num_computed[slot])
+            reason = None
+            if stop[j] or (check_ids[j] and tok in req.params.stop_token_ids):
+                reason = "stop"
+            elif length[j]:
+                reason = "length"
+            updates.append(Update(req.req_id, [tok], reason, req.num_prompt_tokens, req.num_cached_tokens))
+            if reason is not None:
+                self._finish(req, reason)
+        self._deadline[s_slots] = now + self._itl[s_slots]
+        for slot in slots.tolist():  # aborted while in flight: free now that the workers are done
+            req = slot_req[slot]
+            if req is not None and req.aborted:
+                self._finish(req, "abort")
+        return updates
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self) -> SchedulerMetrics:
+        """A snapshot of the counters the scheduler process exports."""
+        return SchedulerMetrics.collect(self)
+
+    @property
+    def step(self) -> int:
+        """Number of the next non-empty step."""
+        return self._step
+
+    @property
+    def num_running(self) -> int:
+        return int(self._running.sum())
+
+    def has_work(self) -> bool:
+        return bool(self._running.any()) or len(self.waiting) > 0

@@ -1,0 +1,176 @@
+"""The body of :meth:`Scheduler.schedule`: decodes, preemption, running prefills, admission.
+
+Split from ``scheduler.py`` to keep each file to one job; it works on the scheduler's per-slot arrays
+directly (it is that class's step, not a separate component).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from stride.ipc.messages import NewSequence
+from stride.sched.plan import StepPlan
+
+if TYPE_CHECKING:
+    from stride.sched.request import Request
+    from stride.sched.scheduler import Scheduler
+
+
+def _by_slack(sched: Scheduler, slots: np.ndarray) -> np.ndarray:
+    """``slots`` ordered least slack first (earliest deadline; ties by arrival)."""
+    return slots[np.lexsort((sched._seq_no[slots], sched._deadline[slots]))]
+
+
+def _pick_victim(sched: Scheduler, scheduled: np.ndarray) -> int:
+    """The running sequence with the most slack among those not yet scheduled in this step (latest
+    arrival on ties, so the oldest work is kept)."""
+    cand = np.flatnonzero(sched._running & ~scheduled)
+    deadlines = sched._deadline[cand]
+    cand = cand[deadlines == deadlines.max()]
+    return int(cand[np.argmax(sched._seq_no[cand])])
+
+
+def _decodes(sched: Scheduler, budget: int, preempted: list[str]) -> np.ndarray:
+    """Slots that run their one remaining token this step, with room appended for it. Preempts (most
+    slack first) when the pool cannot give every decode its block."""
+    bm = sched.bm
+    running = np.flatnonzero(sched._running)
+    dec = running[sched._num_tokens[running] - sched._num_computed[running] == 1]
+    over_budget = len(dec) > budget
+    need = sched._num_alloc[dec] < sched._num_tokens[dec]
+    num_new_blocks = int(np.count_nonzero(sched._num_alloc[dec][need] % sched.block_size == 0))
+    stats = bm.stats
+    if not over_budget and num_new_blocks <= stats.num_free + stats.num_cached:
+        last = sched._last_token
+        for slot in dec[need].tolist():
+            bm.append(slot, int(last[slot]))
+        sched._num_alloc[dec[need]] += 1
+        return dec
+    # Slow path: least slack first; under pressure the most-slack unscheduled sequence gives way.
+    scheduled = np.zeros(len(sched._running), dtype=bool)
+    kept: list[int] = []
+    for slot in _by_slack(sched, dec).tolist():
+        if len(kept) == budget:
+            break
+        if not sched._running[slot]:
+            continue  # preempted as a victim earlier in this loop
+        if sched._num_alloc[slot] < sched._num_tokens[slot]:
+            while not bm.can_append(slot):
+                victim = _pick_victim(sched, scheduled)
+                sched._preempt(victim, preempted)
+                if victim == slot:
+                    break
+            if not sched._running[slot]:
+                continue
+            bm.append(slot, int(sched._last_token[slot]))
+            sched._num_alloc[slot] += 1
+        kept.append(slot)
+        scheduled[slot] = True
+    return np.array(kept, dtype=np.int64)
+
+
+def _tokens(req: Request, start: int, stop: int) -> list[int]:
+    prompt = req.prompt_token_ids
+    if stop <= len(prompt):
+        return prompt[start:stop]
+    return req.token_ids[start:stop]
+
+
+def build_step(sched: Scheduler, now: float) -> StepPlan:
+    cfg = sched.cfg
+    buf = sched.buffers
+    bm = sched.bm
+    budget = cfg.max_num_batched_tokens
+    preempted: list[str] = []
+
+    # 1. Decodes, vectorised: token = the last sampled one, at position = tokens computed so far.
+    dec = _decodes(sched, budget, preempted)
+    n = len(dec)
+    pos = sched._num_computed[dec]
+    buf.token_ids[:n] = sched._last_token[dec]
+    buf.positions[:n] = pos
+    buf.seq_slots[:n] = dec
+    buf.query_lens[:n] = 1
+    buf.context_lens[:n] = pos + 1
+    buf.sample_flags[:n] = 1
+    sched._num_computed[dec] = pos + 1
+    for slot in dec[(pos + 1) % sched.block_size == 0].tolist():
+        bm.mark_computed(slot, sched._num_computed[slot].item())  # a block just filled: index it
+    budget -= n
+
+    slots: list[int] = []
+    qlens: list[int] = []
+    starts: list[int] = []
+    samples: list[bool] = []
+    new_seqs: list[NewSequence] = []
+    offset = n
+
+    def run_chunk(slot: int, req: Request) -> None:
+        nonlocal budget, offset
+        start = int(sched._num_computed[slot])
+        total = int(sched._num_tokens[slot])
+        chunk = min(budget, total - start)
+        end = start + chunk
+        buf.token_ids[offset:offset + chunk] = _tokens(req, start, end)
+        buf.positions[offset:offset + chunk] = np.arange(start, end)
+        row = n + len(slots)
+        buf.seq_slots[row] = slot
+        buf.query_lens[row] = chunk
+        buf.context_lens[row] = end
+        buf.sample_flags[row] = end == total
+        slots.append(slot)
+        qlens.append(chunk)
+        starts.append(start)
+        samples.append(end == total)
+        sched._num_computed[slot] = end
+        req.num_computed_tokens = end
+        bm.mark_computed(slot, end)
+        offset += chunk
+        budget -= chunk
+
+    # 2. Running prefills continue (they already hold their blocks), least slack first.
+    if budget > 0:
+        running = np.flatnonzero(sched._running)
+        pre = running[sched._num_tokens[running] - sched._num_computed[running] > 1]
+        for slot in _by_slack(sched, pre).tolist():
+            if budget == 0:
+                break
+            req = sched._slot_req[slot]
+            assert req is not None
+            run_chunk(slot, req)
+
+    # 3. Admission by slack. The head waits if it cannot fit, and nobody passes it: letting smaller
+    # requests overtake would starve long prompts. No admission in a step that had to preempt: the pool
+    # is short, and the victim would come straight back on its own cached blocks.
+    waiting = sched.waiting
+    while budget > 0 and sched._free_slots and not preempted:
+        head = waiting.peek()
+        if head is None or not bm.can_allocate(head.tenant, head.token_ids):
+            break
+        waiting.pop()
+        slot = heapq.heappop(sched._free_slots)
+        sched._admit(head, slot)
+        new_seqs.append(NewSequence(slot, head.req_id, head.params, head.num_prompt_tokens))
+        run_chunk(slot, head)
+
+    all_slots = np.concatenate([dec, np.array(slots, dtype=np.int64)]).astype(np.int32)
+    if len(all_slots) == 0:
+        return StepPlan(sched._step, [], all_slots, all_slots.copy(), all_slots.copy(),
+                        np.zeros(0, dtype=bool), preempted_ids=preempted)
+    slot_req = sched._slot_req
+    req_ids = [r.req_id for r in (slot_req[s] for s in all_slots.tolist()) if r is not None]
+    finished, sched._freed_slots = sched._freed_slots, []
+    return StepPlan(
+        step=sched._step,
+        req_ids=req_ids,
+        slots=all_slots,
+        query_lens=np.concatenate([np.ones(n, dtype=np.int32), np.array(qlens, dtype=np.int32)]),
+        start_positions=np.concatenate([pos, np.array(starts, dtype=np.int64)]).astype(np.int32),
+        sample_flags=np.concatenate([np.ones(n, dtype=bool), np.array(samples, dtype=bool)]),
+        new_seqs=new_seqs,
+        finished_slots=finished,
+        preempted_ids=preempted,
+    )
