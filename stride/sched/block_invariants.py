@@ -51,16 +51,19 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
     # 3. Block tables: rows of empty slots are -1, occupied rows hold exactly their blocks, then -1.
     tables = bm.block_tables
     row_blocks = np.zeros(tables.shape[0], dtype=np.int64)
-    for slot, seq in enumerate(bm._seqs):
-        if seq is None:
+    for slot, seed in enumerate(bm._seed):
+        num_tokens, num_blocks = int(bm._num_tokens[slot]), int(bm._num_table_blocks[slot])
+        if seed is None:
+            if num_tokens or num_blocks or bm._num_hashed[slot]:
+                _fail(f"empty slot {slot} has {num_tokens} tokens, {num_blocks} blocks")
             continue
-        want = -(-len(seq.tokens) // bm.block_size)
-        if seq.num_blocks != want:
-            _fail(f"slot {slot} has {seq.num_blocks} blocks for {len(seq.tokens)} tokens (want {want})")
-        if seq.num_hashed > len(seq.tokens) // bm.block_size:
-            _fail(f"slot {slot} claims {seq.num_hashed} hashed blocks of {len(seq.tokens)} tokens")
-        row_blocks[slot] = seq.num_blocks
-        row = tables[slot, :seq.num_blocks].tolist()
+        want = -(-num_tokens // bm.block_size)
+        if num_tokens == 0 or num_blocks != want:
+            _fail(f"slot {slot} has {num_blocks} blocks for {num_tokens} tokens (want {want})")
+        if bm._num_hashed[slot] > num_tokens // bm.block_size:
+            _fail(f"slot {slot} claims {bm._num_hashed[slot]} addressed blocks of {num_tokens} tokens")
+        row_blocks[slot] = num_blocks
+        row = tables[slot, :num_blocks].tolist()
         if len(set(row)) != len(row):
             _fail(f"slot {slot} holds a block twice: {row}")
     occupied = np.arange(tables.shape[1])[None, :] < row_blocks[:, None]
@@ -105,13 +108,14 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
 
 def _check_addresses(bm: BlockManager) -> None:
     """Every address a running sequence knows, recomputed from its tokens."""
-    for slot, seq in enumerate(bm._seqs):
-        if seq is None:
+    for slot, seed in enumerate(bm._seed):
+        if seed is None:
             continue
-        want = chain_hashes(seq.seed, seq.tokens, bm.block_size, seq.num_hashed)
-        if (want[-1] if want else seq.seed) != seq.last_hash:
-            _fail(f"slot {slot}: chain address after {seq.num_hashed} blocks disagrees with its tokens")
-        row = bm.block_tables[slot, :seq.num_hashed].tolist()
+        num_hashed = int(bm._num_hashed[slot])
+        want = chain_hashes(seed, bm._tokens[slot], bm.block_size, num_hashed)
+        if (want[-1] if want else seed) != bm._last_hash[slot]:
+            _fail(f"slot {slot}: chain address after {num_hashed} blocks disagrees with its tokens")
+        row = bm.block_tables[slot, :num_hashed].tolist()
         for i, (b, h) in enumerate(zip(row, want, strict=True)):
             known = bm._block_hash[b]
             if known is not None and known != h:

@@ -14,33 +14,24 @@ Contract (shared with the scheduler):
   impossible by construction.
 - Eviction takes the least recently freed cached block, chain tails before heads, and only when the free
   list is empty.
+
+Per-slot state lives in numpy arrays (token ids ``(max_num_seqs, max_blocks_per_seq * block_size)`` int32,
+like vLLM's input batch), so the decode path has batch forms (:meth:`append_many`,
+:meth:`mark_computed_many`) that cost a few vector operations plus Python work only for the sequences
+that cross a block boundary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from stride.sched.block_invariants import check_invariants
 from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet, NoFreeBlocksError
-from stride.sched.prefix_hash import as_token_array, block_hash, tenant_seed
+from stride.sched.prefix_hash import TOKEN_DTYPE, as_token_array, block_hash, tenant_seed
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
-
-
-class _Seq:
-    """What the manager remembers about one occupied slot."""
-
-    __slots__ = ("tokens", "num_blocks", "num_hashed", "last_hash", "seed")
-
-    def __init__(self, tokens: Any, num_blocks: int, num_hashed: int, last_hash: bytes, seed: bytes) -> None:
-        self.tokens = tokens            # array('i'): every token of the sequence
-        self.num_blocks = num_blocks    # filled entries of the block-table row
-        self.num_hashed = num_hashed    # leading full blocks whose address is known (hit or computed)
-        self.last_hash = last_hash      # address of block num_hashed - 1 (the seed when 0)
-        self.seed = seed
 
 
 class BlockManager:
@@ -57,7 +48,7 @@ class BlockManager:
         self.block_size = block_size
         self.block_tables = block_tables
         self.enable_prefix_caching = enable_prefix_caching
-        self.max_blocks_per_seq = block_tables.shape[1]
+        max_num_seqs, self.max_blocks_per_seq = block_tables.shape
         block_tables.fill(-1)
 
         self._free = FreeList(range(num_blocks))
@@ -66,34 +57,53 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
-        self._seqs: list[_Seq | None] = [None] * block_tables.shape[0]
-        self._seeds: dict[str, bytes] = {}
+        self._index_version = 0  # bumped on every index change; guards the can_allocate -> allocate memo
+        self._memo: tuple[str, np.ndarray, int, list[int], bytes] | None = None
+
+        # Per slot. A slot is occupied iff its seed is not None.
+        self._seed: list[bytes | None] = [None] * max_num_seqs
+        self._tokens = np.zeros((max_num_seqs, self.max_blocks_per_seq * block_size), dtype=TOKEN_DTYPE)
+        self._num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self._num_table_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # filled entries of the row
+        self._num_hashed = np.zeros(max_num_seqs, dtype=np.int64)  # leading blocks whose address is known
+        self._last_hash: list[bytes] = [b""] * max_num_seqs  # address of block num_hashed - 1 (or the seed)
+        self._tenant_seeds: dict[str, bytes] = {}
+
         self._hit_tokens = 0
         self._query_tokens = 0
         self._num_evictions = 0
 
     # ---- allocation -------------------------------------------------------------------------------
-    def can_allocate(self, tenant: str, token_ids: Sequence[int]) -> bool:
+    def can_allocate(self, tenant: str, token_ids: Sequence[int] | np.ndarray) -> bool:
         """Whether free plus evictable blocks cover the whole prompt after its prefix hit."""
         tokens = as_token_array(token_ids)
         need = self._blocks_for(len(tokens))
-        hits, _ = self._match(tenant, tokens)
+        hits, last_hash = self._match(tenant, tokens)
+        # allocate usually follows with the same prompt; a private copy keeps a caller's later edit out.
+        self._memo = (tenant, tokens.copy(), self._index_version, hits, last_hash)
         num_revived = sum(1 for b in hits if self._ref[b] == 0)
         return need - len(hits) <= self._free.num + self._cached.num - num_revived
 
-    def allocate(self, slot: int, tenant: str, token_ids: Sequence[int]) -> int:
+    def allocate(self, slot: int, tenant: str, token_ids: Sequence[int] | np.ndarray) -> int:
         """Give slot ``slot`` blocks for all of ``token_ids``, reusing this tenant's longest indexed prefix.
 
         Returns the number of prompt tokens whose KV is already there: a multiple of ``block_size`` and
         always below ``len(token_ids)`` (the last prompt token is recomputed so the model yields logits).
         Raises :class:`NoFreeBlocksError`, changing nothing, when ``can_allocate`` would say False."""
-        if self._seqs[slot] is not None:
+        if self._seed[slot] is not None:
             raise ValueError(f"slot {slot} is in use")
         tokens = as_token_array(token_ids)
-        if len(tokens) == 0:
+        n = len(tokens)
+        if n == 0:
             raise ValueError("cannot allocate an empty prompt")
-        need = self._blocks_for(len(tokens))
-        hits, last_hash = self._match(tenant, tokens)
+        need = self._blocks_for(n)
+        memo = self._memo
+        self._memo = None
+        if (memo is not None and memo[0] == tenant and memo[2] == self._index_version
+                and np.array_equal(memo[1], tokens)):
+            hits, last_hash = memo[3], memo[4]  # can_allocate just matched this prompt; nothing changed since
+        else:
+            hits, last_hash = self._match(tenant, tokens)
         ref = self._ref
         num_revived = sum(1 for b in hits if ref[b] == 0)
         num_new = need - len(hits)
@@ -108,47 +118,81 @@ class BlockManager:
             ref[b] += 1
         new = self._take(num_new)
         self.block_tables[slot, :need] = hits + new
-        self._seqs[slot] = _Seq(tokens, need, len(hits), last_hash, self._seed(tenant))
+        self._tokens[slot, :n] = tokens
+        self._num_tokens[slot] = n
+        self._num_table_blocks[slot] = need
+        self._num_hashed[slot] = len(hits)
+        self._last_hash[slot] = last_hash
+        self._seed[slot] = self._tenant_seed(tenant)
         num_cached_tokens = len(hits) * self.block_size
         self._hit_tokens += num_cached_tokens
-        self._query_tokens += len(tokens)
+        self._query_tokens += n
         return num_cached_tokens
 
     def mark_computed(self, slot: int, num_computed_tokens: int) -> None:
         """Tokens ``[0, num_computed_tokens)`` are scheduled: index every full block inside that range."""
-        seq = self._seqs[slot]
-        if seq is None:
-            raise ValueError(f"slot {slot} is empty")
+        self._occupied(slot)
         num_full = num_computed_tokens // self.block_size
-        if num_full <= seq.num_hashed:  # the common decode step: nothing new became full
-            return
-        if num_computed_tokens > len(seq.tokens):
-            raise ValueError(f"slot {slot}: {num_computed_tokens} computed > {len(seq.tokens)} tokens")
-        if self.enable_prefix_caching:
-            self._index_range(slot, seq, num_full)
-        seq.num_hashed = num_full
+        if num_full > self._num_hashed[slot]:  # else the common decode step: nothing new became full
+            self._index_upto(slot, num_computed_tokens)
+
+    def mark_computed_many(self, slots: np.ndarray, num_computed_tokens: np.ndarray) -> None:
+        """:meth:`mark_computed` for each ``(slots[i], num_computed_tokens[i])``; Python work only for the
+        sequences in which a block became full."""
+        slots = np.asarray(slots, dtype=np.intp)
+        nums = np.asarray(num_computed_tokens, dtype=np.int64)
+        todo = np.nonzero(nums // self.block_size > self._num_hashed[slots])[0]
+        for i in todo.tolist():
+            self._occupied(int(slots[i]))
+            self._index_upto(int(slots[i]), int(nums[i]))
 
     def can_append(self, slot: int) -> bool:
         """Whether one more token fits: room in the last block, or a free or evictable block."""
-        seq = self._seqs[slot]
-        if seq is None:
-            raise ValueError(f"slot {slot} is empty")
-        return (len(seq.tokens) < seq.num_blocks * self.block_size
+        self._occupied(slot)
+        return (self._num_tokens[slot] < self._num_table_blocks[slot] * self.block_size
                 or self._free.num > 0 or self._cached.num > 0)
+
+    def num_blocks_to_append(self, slots: np.ndarray) -> int:
+        """New blocks that appending one token to each of ``slots`` takes (compare with
+        :attr:`num_available_blocks`)."""
+        slots = np.asarray(slots, dtype=np.intp)
+        full = self._num_tokens[slots] == self._num_table_blocks[slots] * self.block_size
+        return int(np.count_nonzero(full))
 
     def append(self, slot: int, token_id: int) -> None:
         """Record one token at the end of the sequence, taking a new block when the last one is full."""
-        seq = self._seqs[slot]
-        if seq is None:
-            raise ValueError(f"slot {slot} is empty")
-        tokens = seq.tokens
-        if len(tokens) == seq.num_blocks * self.block_size:
-            if seq.num_blocks == self.max_blocks_per_seq:
-                raise ValueError(f"slot {slot}: block table row is full ({self.max_blocks_per_seq} blocks)")
+        self._occupied(slot)
+        n = int(self._num_tokens[slot])
+        nb = int(self._num_table_blocks[slot])
+        if n == nb * self.block_size:
+            if nb == self.max_blocks_per_seq:
+                raise ValueError(f"slot {slot}: block table row is full ({nb} blocks)")
             (b,) = self._take(1)
-            self.block_tables[slot, seq.num_blocks] = b
-            seq.num_blocks += 1
-        tokens.append(token_id)
+            self.block_tables[slot, nb] = b
+            self._num_table_blocks[slot] = nb + 1
+        self._tokens[slot, n] = token_id
+        self._num_tokens[slot] = n + 1
+
+    def append_many(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        """:meth:`append` ``token_ids[i]`` to ``slots[i]`` for every i (distinct, occupied slots), all or
+        nothing: raises before changing anything when the blocks it needs are not there."""
+        slots = np.asarray(slots, dtype=np.intp)
+        ids = as_token_array(token_ids)
+        if len(ids) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(ids)} token ids")
+        nb = self._num_table_blocks[slots]
+        if len(slots) and (nb.min() == 0 or np.bincount(slots).max() > 1):
+            raise ValueError("append_many needs distinct, occupied slots")
+        n = self._num_tokens[slots]
+        grow = n == nb * self.block_size
+        if grow.any():
+            grow_slots, grow_nb = slots[grow], nb[grow]
+            if grow_nb.max() >= self.max_blocks_per_seq:
+                raise ValueError(f"slot {int(grow_slots[grow_nb.argmax()])}: block table row is full")
+            self.block_tables[grow_slots, grow_nb] = self._take(len(grow_slots))
+            self._num_table_blocks[grow_slots] = grow_nb + 1
+        self._tokens[slots, n] = ids
+        self._num_tokens[slots] = n + 1
 
     def free(self, slot: int) -> None:
         """The sequence finished or was aborted: indexed blocks become cached, the rest free; row = -1."""
@@ -160,53 +204,53 @@ class BlockManager:
         self._drop(slot)
 
     def can_fork(self, parent_slot: int) -> bool:
-        seq = self._seqs[parent_slot]
-        if seq is None:
-            raise ValueError(f"slot {parent_slot} is empty")
-        partial = len(seq.tokens) % self.block_size != 0
+        self._occupied(parent_slot)
+        partial = self._num_tokens[parent_slot] % self.block_size != 0
         return not partial or self._free.num + self._cached.num > 0
 
     def fork(self, parent_slot: int, child_slot: int) -> tuple[int, int] | None:
         """n>1 sampling: the child shares the parent's full blocks (ref count +1 each); a partial last block
         is copied into a fresh block. Returns ``(src_block, dst_block)`` for the worker to copy, else None."""
-        parent = self._seqs[parent_slot]
-        if parent is None:
-            raise ValueError(f"slot {parent_slot} is empty")
-        if self._seqs[child_slot] is not None:
+        self._occupied(parent_slot)
+        if self._seed[child_slot] is not None:
             raise ValueError(f"slot {child_slot} is in use")
-        num_full = len(parent.tokens) // self.block_size
-        partial = parent.num_blocks > num_full
-        if partial and self._free.num + self._cached.num == 0:
-            raise NoFreeBlocksError(f"fork of slot {parent_slot}: no block for the partial last block")
+        n = int(self._num_tokens[parent_slot])
+        nb = int(self._num_table_blocks[parent_slot])
+        num_full = n // self.block_size
         row = self.block_tables[parent_slot]
-        shared = row[:num_full].tolist()
-        ref = self._ref
-        for b in shared:
-            ref[b] += 1
-        self.block_tables[child_slot, :num_full] = row[:num_full]
         copy = None
-        if partial:
+        if nb > num_full:  # take the copy's block first: failing here leaves everything unchanged
             (dst,) = self._take(1)
             self.block_tables[child_slot, num_full] = dst
             copy = (int(row[num_full]), dst)
-        self._seqs[child_slot] = _Seq(parent.tokens[:], parent.num_blocks, parent.num_hashed,
-                                      parent.last_hash, parent.seed)
+        ref = self._ref
+        for b in row[:num_full].tolist():
+            ref[b] += 1
+        self.block_tables[child_slot, :num_full] = row[:num_full]
+        self._tokens[child_slot, :n] = self._tokens[parent_slot, :n]
+        self._num_tokens[child_slot] = n
+        self._num_table_blocks[child_slot] = nb
+        self._num_hashed[child_slot] = self._num_hashed[parent_slot]
+        self._last_hash[child_slot] = self._last_hash[parent_slot]
+        self._seed[child_slot] = self._seed[parent_slot]
         return copy
 
     # ---- queries ----------------------------------------------------------------------------------
     def num_tokens(self, slot: int) -> int:
-        seq = self._seqs[slot]
-        if seq is None:
-            raise ValueError(f"slot {slot} is empty")
-        return len(seq.tokens)
+        self._occupied(slot)
+        return int(self._num_tokens[slot])
 
     def is_allocated(self, slot: int) -> bool:
-        return self._seqs[slot] is not None
+        return self._seed[slot] is not None
+
+    def token_ids(self, slot: int) -> np.ndarray:
+        """A copy of the sequence's tokens."""
+        self._occupied(slot)
+        return self._tokens[slot, :self._num_tokens[slot]].copy()
 
     def block_table(self, slot: int) -> list[int]:
         """The physical blocks of slot ``slot`` in logical order (empty for an empty slot)."""
-        seq = self._seqs[slot]
-        return [] if seq is None else self.block_tables[slot, :seq.num_blocks].tolist()
+        return self.block_tables[slot, :self._num_table_blocks[slot]].tolist()
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -228,31 +272,37 @@ class BlockManager:
 
     def assert_invariants(self, *, deep: bool = False) -> None:
         """Raise ``AssertionError`` naming the first disagreement between counts, structures, ref counts,
-        block tables and the index. ``deep`` also recomputes every address from the tokens (slow)."""
+        block tables and the index. ``deep`` also recomputes every known address from the tokens (slow)."""
         check_invariants(self, deep=deep)
 
     # ---- internals --------------------------------------------------------------------------------
+    def _occupied(self, slot: int) -> None:
+        if self._seed[slot] is None:
+            raise ValueError(f"slot {slot} is empty")
+
     def _blocks_for(self, num_tokens: int) -> int:
         need = -(-num_tokens // self.block_size)
         if need > self.max_blocks_per_seq:
             raise ValueError(f"{num_tokens} tokens need {need} blocks; a row holds {self.max_blocks_per_seq}")
         return need
 
-    def _seed(self, tenant: str) -> bytes:
-        seed = self._seeds.get(tenant)
+    def _tenant_seed(self, tenant: str) -> bytes:
+        seed = self._tenant_seeds.get(tenant)
         if seed is None:
-            seed = self._seeds[tenant] = tenant_seed(tenant)
+            seed = self._tenant_seeds[tenant] = tenant_seed(tenant)
         return seed
 
-    def _match(self, tenant: str, tokens: Any) -> tuple[list[int], bytes]:
+    def _match(self, tenant: str, tokens: np.ndarray) -> tuple[list[int], bytes]:
         """The longest chain of indexed blocks matching ``tokens`` (never its last token's block)."""
-        h = self._seed(tenant)
+        h = self._tenant_seed(tenant)
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits, h
-        bs, index = self.block_size, self._index
-        for i in range((len(tokens) - 1) // bs):
-            nh = block_hash(h, tokens, i * bs, (i + 1) * bs)
+        index = self._index
+        step = self.block_size * TOKEN_DTYPE.itemsize
+        data = tokens.tobytes()
+        for i in range((len(tokens) - 1) // self.block_size):
+            nh = block_hash(h, data[i * step:(i + 1) * step])
             b = index.get(nh)
             if b is None:
                 break
@@ -262,30 +312,41 @@ class BlockManager:
 
     def _take(self, count: int) -> list[int]:
         """``count`` blocks made live with ref count 1: free ones first, then evicted cached ones."""
+        if count > self._free.num + self._cached.num:
+            raise NoFreeBlocksError(f"need {count} blocks, {self._free.num + self._cached.num} available")
         from_free = min(count, self._free.num)
         out = self._free.pop_many(from_free)
         for _ in range(count - from_free):
-            if self._cached.num == 0:
-                raise NoFreeBlocksError("no free or evictable block left")
             b = self._cached.pop_oldest()
             h = self._block_hash[b]
             assert h is not None
             del self._index[h]
             self._block_hash[b] = None
-            self._num_evictions += 1
             out.append(b)
+        if count > from_free:
+            self._num_evictions += count - from_free
+            self._index_version += 1
         self._live.add_many(out)
         ref = self._ref
         for b in out:
             ref[b] = 1
         return out
 
-    def _index_range(self, slot: int, seq: _Seq, num_full: int) -> None:
-        bs, index, block_hashes = self.block_size, self._index, self._block_hash
-        h = seq.last_hash
-        blocks = self.block_tables[slot, seq.num_hashed:num_full].tolist()
-        for i, b in enumerate(blocks, start=seq.num_hashed):
-            h = block_hash(h, seq.tokens, i * bs, (i + 1) * bs)
+    def _index_upto(self, slot: int, num_computed_tokens: int) -> None:
+        """Address (and index, unless the content is indexed already) the blocks that became full."""
+        if num_computed_tokens > self._num_tokens[slot]:
+            raise ValueError(f"slot {slot}: {num_computed_tokens} computed > {self._num_tokens[slot]} tokens")
+        bs = self.block_size
+        first, num_full = int(self._num_hashed[slot]), num_computed_tokens // bs
+        self._num_hashed[slot] = num_full
+        if not self.enable_prefix_caching:
+            return
+        index, block_hashes = self._index, self._block_hash
+        step = bs * TOKEN_DTYPE.itemsize
+        data = self._tokens[slot, first * bs:num_full * bs].tobytes()
+        h = self._last_hash[slot]
+        for j, b in enumerate(self.block_tables[slot, first:num_full].tolist()):
+            h = block_hash(h, data[j * step:(j + 1) * step])
             known = block_hashes[b]
             if known is not None:  # shared by a fork and indexed through the other sequence
                 if known != h:
@@ -293,17 +354,17 @@ class BlockManager:
             elif h not in index:
                 index[h] = b
                 block_hashes[b] = h
+                self._index_version += 1
             # else: the same content was computed twice (two requests admitted together); this copy stays
             # unindexed and goes to the free list when released.
-        seq.last_hash = h
+        self._last_hash[slot] = h
 
     def _drop(self, slot: int) -> None:
-        seq = self._seqs[slot]
-        if seq is None:
-            raise ValueError(f"slot {slot} is empty")
+        self._occupied(slot)
+        nb = int(self._num_table_blocks[slot])
         row = self.block_tables[slot]
         ref, block_hashes = self._ref, self._block_hash
-        for b in reversed(row[:seq.num_blocks].tolist()):  # tail first: evicted before its head
+        for b in reversed(row[:nb].tolist()):  # tail first: evicted before its head
             r = ref[b] - 1
             ref[b] = r
             if r == 0:
@@ -312,5 +373,9 @@ class BlockManager:
                     self._cached.push(b)
                 else:
                     self._free.push(b)
-        row[:seq.num_blocks] = -1
-        self._seqs[slot] = None
+        row[:nb] = -1
+        self._num_tokens[slot] = 0
+        self._num_table_blocks[slot] = 0
+        self._num_hashed[slot] = 0
+        self._last_hash[slot] = b""
+        self._seed[slot] = None

@@ -10,8 +10,6 @@ address is identical across processes, runs and machines -- unlike Python's salt
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -20,9 +18,8 @@ import numpy as np
 DOMAIN_TAG = b"stride/kv-block/v1"
 DIGEST_SIZE = 16
 
-_BIG_ENDIAN = sys.byteorder == "big"
-if array("i").itemsize != 4:  # pragma: no cover - every supported platform has a 4-byte C int
-    raise ImportError("stride.sched.prefix_hash needs a 4-byte C int")
+TOKEN_DTYPE = np.dtype("<i4")
+"""Token ids are stored and hashed as little-endian int32."""
 
 
 def tenant_seed(tenant: str) -> bytes:
@@ -30,33 +27,32 @@ def tenant_seed(tenant: str) -> bytes:
     return blake2b(DOMAIN_TAG + b"\x00" + tenant.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
 
 
-def as_token_array(token_ids: Sequence[int] | np.ndarray) -> array:
-    """A private int32 copy of ``token_ids`` (``OverflowError`` for an id outside int32)."""
+def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as a 1-D little-endian int32 array (no copy when it already is one)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
-        as_i32 = token_ids.astype(np.int32)
-        if not np.array_equal(as_i32, token_ids):
+        if token_ids.dtype == TOKEN_DTYPE:
+            return token_ids
+        out = token_ids.astype(TOKEN_DTYPE)
+        if not np.array_equal(out, token_ids):
             raise OverflowError("token id outside int32")
-        out = array("i")
-        out.frombytes(as_i32.tobytes())  # native order, like array's own
         return out
-    return array("i", token_ids)
+    return np.array(token_ids, dtype=TOKEN_DTYPE)  # OverflowError for an id outside int32
 
 
-def block_hash(prev_hash: bytes, tokens: array, start: int, end: int) -> bytes:
-    """Address of the block holding ``tokens[start:end]`` whose predecessor's address is ``prev_hash``."""
-    chunk = tokens[start:end]
-    if _BIG_ENDIAN:  # pragma: no cover - the encoding is little-endian everywhere
-        chunk.byteswap()
-    return blake2b(prev_hash + chunk.tobytes(), digest_size=DIGEST_SIZE).digest()
+def block_hash(prev_hash: bytes, block_bytes: bytes) -> bytes:
+    """Address of a block whose tokens encode to ``block_bytes`` and whose predecessor is ``prev_hash``."""
+    return blake2b(prev_hash + block_bytes, digest_size=DIGEST_SIZE).digest()
 
 
-def chain_hashes(seed: bytes, tokens: array, block_size: int, num_blocks: int) -> list[bytes]:
+def chain_hashes(seed: bytes, tokens: np.ndarray, block_size: int, num_blocks: int) -> list[bytes]:
     """Addresses of the first ``num_blocks`` full blocks of ``tokens`` (a reference for checks and tests)."""
+    data = np.ascontiguousarray(tokens[:num_blocks * block_size], dtype=TOKEN_DTYPE).tobytes()
+    step = block_size * TOKEN_DTYPE.itemsize
     out: list[bytes] = []
     h = seed
     for i in range(num_blocks):
-        h = block_hash(h, tokens, i * block_size, (i + 1) * block_size)
+        h = block_hash(h, data[i * step:(i + 1) * step])
         out.append(h)
     return out
