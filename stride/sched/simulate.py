@@ -229,7 +229,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{args.model} on {args.tp}x {args.gpu}, {num_blocks} KV blocks of {args.block_size}; "
           f"{args.num_requests} requests at {args.rate:g}/s")
     print(f"simulated {report['duration_s']} s in {report['num_steps']} steps; "
-          f"finished {report['num_finished']}, rejected {report['num_rejected']}, preemptions {report['num_preemptions']}, "
+          f"finished {report['num_finished']}, rejected {report['num_rejected']}, "
+          f"preemptions {report['num_preemptions']}, "
           f"prefix hit rate {report['prefix_hit_rate']:.1%}")
     print(f"goodput {report['goodput_rps']} req/s ({report['goodput_fraction']:.1%} met their targets)")
     print(f"{'class':<12} {'n':>5} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>7} "

@@ -42,12 +42,10 @@ def _decodes(sched: Scheduler, budget: int, preempted: list[str]) -> np.ndarray:
     over_budget = len(dec) > budget
     need = sched._num_alloc[dec] < sched._num_tokens[dec]
     num_new_blocks = int(np.count_nonzero(sched._num_alloc[dec][need] % sched.block_size == 0))
-    stats = bm.stats
-    if not over_budget and num_new_blocks <= stats.num_free + stats.num_cached:
-        last = sched._last_token
-        for slot in dec[need].tolist():
-            bm.append(slot, int(last[slot]))
-        sched._num_alloc[dec[need]] += 1
+    if not over_budget and num_new_blocks <= bm.num_available_blocks:
+        appending = dec[need]
+        bm.append_many(appending, sched._last_token[appending])
+        sched._num_alloc[appending] += 1
         return dec
     # Slow path: least slack first; under pressure the most-slack unscheduled sequence gives way.
     scheduled = np.zeros(len(sched._running), dtype=bool)
@@ -97,8 +95,7 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
     buf.context_lens[:n] = pos + 1
     buf.sample_flags[:n] = 1
     sched._num_computed[dec] = pos + 1
-    for slot in dec[(pos + 1) % sched.block_size == 0].tolist():
-        bm.mark_computed(slot, sched._num_computed[slot].item())  # a block just filled: index it
+    bm.mark_computed_many(dec, pos + 1)  # indexes the blocks that just filled
     budget -= n
 
     slots: list[int] = []
