@@ -1,0 +1,174 @@
+"""The frontend's side of the wire: sends requests to the tokenizer pool, receives their text deltas, and
+aborts what a client abandons. Does no HTTP; both the HTTP handlers and the client-library server use it.
+
+One receiver task reads the frontend's PULL socket and routes each delta by ``req_id`` to the
+:class:`RequestStream` of the request the sequence belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from stride.config import IpcConfig
+from stride.ipc.messages import (
+    TO_FRONTEND,
+    AbortRequest,
+    GenerateRequest,
+    Message,
+    ReleaseRequest,
+    RequestFailed,
+    SchedulerStats,
+    Shutdown,
+    TextDelta,
+)
+from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
+
+log = logging.getLogger(__name__)
+
+WORKER_DEAD = "worker_dead"
+
+Event = tuple[int, TextDelta | RequestFailed]
+"""(sequence index within the request, what arrived for it)."""
+
+
+@dataclass
+class RequestStream:
+    """The deltas of one request's ``n`` sequences, in arrival order, on one queue."""
+
+    req_id: str
+    seq_ids: list[str]
+    tokenizer_of: dict[str, int]
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    finished: set[str] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.seq_ids)
+
+
+class Backend:
+    """Owns the frontend's ZeroMQ sockets. Start with :meth:`start` inside the serving event loop."""
+
+    def __init__(self, ipc: IpcConfig, num_tokenizers: int) -> None:
+        self.ipc = ipc
+        self.num_tokenizers = num_tokenizers
+        self.healthy = True
+        self.unhealthy_reason = ""
+        self.on_stats: Callable[[SchedulerStats], None] | None = None
+        """Called with every scheduler stats snapshot (the metrics hook)."""
+        self.on_shutdown: Callable[[str], None] | None = None
+        """Called when a :class:`Shutdown` message arrives (the launcher asks the frontend to exit)."""
+        self._streams: dict[str, tuple[RequestStream, int]] = {}  # seq req_id → (stream, index)
+        self._rr = itertools.count()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tokenizers: list[AsyncPushQueue[Message]] = []
+        self._scheduler: AsyncPushQueue[Message] | None = None
+        self._pull: AsyncPullQueue[Message] | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._pull = AsyncPullQueue(self._ctx, self.ipc.frontend_address(), TO_FRONTEND + (Shutdown,))
+        self._tokenizers = [AsyncPushQueue(self._ctx, self.ipc.tokenizer_address(i))
+                            for i in range(self.num_tokenizers)]
+        self._scheduler = AsyncPushQueue(self._ctx, self.ipc.scheduler_address())
+        self._receiver = asyncio.create_task(self._receive(), name="frontend-receiver")
+
+    async def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=1.0)
+        for q in [*self._tokenizers, self._scheduler, self._pull]:
+            if q is not None:
+                q.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len({id(s) for s, _ in self._streams.values()})
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Turn ``/health`` to 503 and refuse new requests (a worker died; the launcher is shutting down)."""
+        if self.healthy:
+            log.error("frontend marked unhealthy: %s", reason)
+        self.healthy = False
+        self.unhealthy_reason = reason
+
+    async def submit(self, req_id: str, seqs: list[GenerateRequest]) -> RequestStream:
+        """Register the request's stream, then send each sequence to a tokenizer (round-robin)."""
+        stream = RequestStream(req_id=req_id, seq_ids=[s.req_id for s in seqs], tokenizer_of={})
+        for i, seq in enumerate(seqs):
+            stream.tokenizer_of[seq.req_id] = next(self._rr) % self.num_tokenizers
+            self._streams[seq.req_id] = (stream, i)
+        for seq in seqs:
+            await self._tokenizers[stream.tokenizer_of[seq.req_id]].put(seq)
+        return stream
+
+    def close(self, stream: RequestStream) -> None:
+        """Forget a request; every sequence not yet finished is aborted at the scheduler and released at
+        its tokenizer. Safe to call from a ``finally`` of a cancelled task: the sends run in tasks."""
+        for seq_id in stream.seq_ids:
+            self._streams.pop(seq_id, None)
+            if seq_id not in stream.finished:
+                stream.finished.add(seq_id)
+                self._spawn(self._abort(seq_id, stream.tokenizer_of[seq_id]))
+
+    async def _abort(self, seq_id: str, tokenizer: int) -> None:
+        assert self._scheduler is not None
+        await self._scheduler.put(AbortRequest(req_id=seq_id))
+        await self._tokenizers[tokenizer].put(ReleaseRequest(req_id=seq_id))
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _receive(self) -> None:
+        assert self._pull is not None
+        while True:
+            msg = await self._pull.get()
+            try:
+                self._dispatch(msg)
+            except Exception:
+                log.exception("frontend: failed to dispatch %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, SchedulerStats):
+            if self.on_stats is not None:
+                self.on_stats(msg)
+            return
+        if isinstance(msg, Shutdown):
+            self.mark_unhealthy(f"shutting down: {msg.reason}")
+            if self.on_shutdown is not None:
+                self.on_shutdown(msg.reason)
+            return
+        assert isinstance(msg, (TextDelta, RequestFailed))
+        if isinstance(msg, RequestFailed) and msg.code == WORKER_DEAD:
+            self.mark_unhealthy(msg.message)
+            if not msg.req_id:  # broadcast: every request in flight fails
+                for seq_id in list(self._streams):
+                    self._deliver(RequestFailed(req_id=seq_id, status=msg.status, message=msg.message,
+                                                code=msg.code))
+                return
+        self._deliver(msg)
+
+    def _deliver(self, msg: TextDelta | RequestFailed) -> None:
+        entry = self._streams.get(msg.req_id)
+        if entry is None:
+            return  # late output of an aborted request
+        stream, index = entry
+        if isinstance(msg, RequestFailed) or msg.finish_reason is not None:
+            stream.finished.add(msg.req_id)
+            del self._streams[msg.req_id]
+        stream.queue.put_nowait((index, msg))

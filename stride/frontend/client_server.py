@@ -1,0 +1,101 @@
+"""The ROUTER socket that serves :mod:`stride.client` (no HTTP): ``ClientGenerate`` in, ``ClientOutput``
+out, framed ``[identity, message]``. Requests are validated and tenanted exactly like HTTP bodies.
+
+A client's ``req_id`` is only unique per connection, so each request gets a frontend-wide id; a
+``ClientAbort`` (or a new request reusing a live id) is matched by ``(identity, req_id)``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from stride.config import StrideConfig
+from stride.frontend.auth import Authenticator
+from stride.frontend.backend import Backend
+from stride.frontend.errors import ApiError
+from stride.frontend.metrics import FrontendMetrics
+from stride.frontend.protocol import parse_client
+from stride.frontend.streaming import Generation
+from stride.ipc.codec import Decoder, encode
+from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, ClientOutput, Message
+from stride.ipc.queues import HWM, LINGER_MS
+
+log = logging.getLogger(__name__)
+
+
+class ClientServer:
+    """Serves client-library requests over the frontend's :class:`Backend`."""
+
+    def __init__(self, config: StrideConfig, backend: Backend, auth: Authenticator,
+                 metrics: FrontendMetrics) -> None:
+        self.config = config
+        self.backend = backend
+        self.auth = auth
+        self.metrics = metrics
+        self._decoder: Decoder[Message] = Decoder(TO_CLIENT_SERVER)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: Any = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: dict[tuple[bytes, str], asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._sock.setsockopt(zmq.SNDHWM, HWM)
+        self._sock.setsockopt(zmq.RCVHWM, HWM)
+        self._sock.bind(self.config.ipc.client_address())
+        self._loop_task = asyncio.create_task(self._serve(), name="client-server")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._tasks.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                log.error("client socket: dropped a message of %d frames", len(frames))
+                continue
+            identity, frame = frames
+            msg = self._decoder.decode_or_log(frame)
+            if isinstance(msg, ClientAbort):
+                task = self._tasks.get((identity, msg.req_id))
+                if task is not None:
+                    task.cancel()
+            elif isinstance(msg, ClientGenerate):
+                key = (identity, msg.req_id)
+                if key in self._tasks:
+                    busy = f"req_id {msg.req_id!r} is already running"
+                    await self._send(identity, ClientOutput(req_id=msg.req_id, status=400, error=busy))
+                    continue
+                task = asyncio.create_task(self._generate(identity, msg))
+                self._tasks[key] = task
+                task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None))  # type: ignore[misc]
+
+    async def _send(self, identity: bytes, out: ClientOutput) -> None:
+        await self._sock.send_multipart([identity, encode(out)])
+
+    async def _generate(self, identity: bytes, msg: ClientGenerate) -> None:
+        try:
+            tenant = self.auth.tenant_for_key(msg.api_key)
+            parsed = parse_client(msg.prompt, msg.prompt_token_ids, msg.messages, msg.params,
+                                  self.config.scheduler)
+            gen = Generation(self.backend, self.metrics, parsed, tenant, self.config.server.retry_after_s)
+            async for _, d in gen.deltas():
+                await self._send(identity, ClientOutput(
+                    req_id=msg.req_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                    num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
+                    num_output_tokens=d.num_output_tokens, logprobs=d.logprobs))
+        except ApiError as e:
+            await self._send(identity, ClientOutput(req_id=msg.req_id, status=e.status, error=e.message))

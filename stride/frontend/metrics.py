@@ -1,0 +1,75 @@
+"""Prometheus metrics of one frontend, in a registry of its own (never the process-global one, so two apps
+in one process — tests — do not collide). Scheduler-side gauges come from :class:`SchedulerStats`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from stride.ipc.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FrontendMetrics:
+    """Counters, gauges and latency histograms the frontend exports on ``/metrics``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        reg = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels + list(extra), registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=reg)
+
+        self.requests_running = gauge("stride:num_requests_running", "Requests in flight at the frontend.")
+        self.requests_waiting = gauge("stride:num_requests_waiting", "Sequences waiting at the scheduler.")
+        self.seqs_running = gauge("stride:num_seqs_running", "Sequences running at the scheduler.")
+        self.blocks_live = gauge("stride:kv_blocks_live", "KV blocks referenced by running sequences.")
+        self.blocks_cached = gauge("stride:kv_blocks_cached", "KV blocks unreferenced but still indexed.")
+        self.blocks_free = gauge("stride:kv_blocks_free", "KV blocks with no content.")
+        self.preemptions = counter("stride:num_preemptions", "Sequences preempted by the scheduler.")
+        self.prompt_tokens = counter("stride:prompt_tokens", "Prompt tokens of finished sequences.")
+        self.generation_tokens = counter("stride:generation_tokens", "Generated tokens.")
+        self.cache_queries = counter("stride:prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.cache_hits = counter("stride:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.request_success = counter("stride:request_success", "Finished requests.", ("finished_reason",))
+        self.request_failure = counter("stride:request_failure", "Requests answered with an error.",
+                                       ("status",))
+        self.ttft = histogram("stride:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("stride:inter_token_latency_seconds", "Time between successive output deltas.")
+        self.e2e = histogram("stride:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self._labels = {"model_name": model_name}
+        self._preemptions_seen = 0
+
+    def lbl(self, metric, **extra: str):  # type: ignore[no-untyped-def]
+        return metric.labels(**self._labels, **extra)
+
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        """The metrics hook for the scheduler's periodic :class:`SchedulerStats`."""
+        self.lbl(self.seqs_running).set(stats.num_running_seqs)
+        self.lbl(self.requests_waiting).set(stats.num_waiting_seqs)
+        self.lbl(self.blocks_live).set(stats.num_blocks_live)
+        self.lbl(self.blocks_cached).set(stats.num_blocks_cached)
+        self.lbl(self.blocks_free).set(stats.num_blocks_free)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.lbl(self.preemptions).inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+
+    def sequence_done(self, num_prompt: int, num_cached: int, num_output: int) -> None:
+        self.lbl(self.prompt_tokens).inc(num_prompt)
+        self.lbl(self.cache_queries).inc(num_prompt)
+        self.lbl(self.cache_hits).inc(num_cached)
+        self.lbl(self.generation_tokens).inc(num_output)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

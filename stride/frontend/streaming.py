@@ -1,0 +1,149 @@
+"""One request's life at the frontend: submit its sequences, gather their deltas into choices, record
+metrics, and abort whatever is unfinished when the consumer stops early (client gone, error)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+import orjson
+from aiohttp import web
+
+from stride.frontend import responses as R
+from stride.frontend.backend import Backend, RequestStream
+from stride.frontend.errors import ApiError
+from stride.frontend.metrics import FrontendMetrics
+from stride.frontend.protocol import ParsedRequest
+from stride.ipc.messages import RequestFailed, TextDelta
+
+
+def failure_error(msg: RequestFailed, retry_after_s: int) -> ApiError:
+    """A backend refusal as the API error the client sees (Retry-After on 429 and 503)."""
+    status = msg.status if 400 <= msg.status < 600 else 500
+    retry = retry_after_s if status in (429, 503) else None
+    return ApiError(status, msg.message, code=msg.code or None, retry_after_s=retry)
+
+
+class Generation:
+    """Drives one request through the backend. Iterate :meth:`deltas`; the choices fill in as it goes.
+
+    Every path out of :meth:`deltas` (finished, failed, cancelled by a disconnect) closes the stream, which
+    aborts at the scheduler and releases at the tokenizer every sequence not yet finished."""
+
+    def __init__(self, backend: Backend, metrics: FrontendMetrics, req: ParsedRequest, tenant: str,
+                 retry_after_s: int) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.req = req
+        self.tenant = tenant
+        self.retry_after_s = retry_after_s
+        prefix = "chatcmpl" if req.chat else "cmpl"
+        self.req_id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices = [R.Choice(index=i) for i in range(req.n)]
+        self._t0 = time.perf_counter()
+        self._first_at: float | None = None
+        self._last_at = [0.0] * req.n
+
+    async def deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
+        """Yield ``(choice index, delta)`` until every sequence finishes; :class:`ApiError` on a failure."""
+        if not self.backend.healthy:
+            raise ApiError(503, f"server unhealthy: {self.backend.unhealthy_reason}",
+                           code="unhealthy", retry_after_s=self.retry_after_s)
+        running = self.metrics.lbl(self.metrics.requests_running)
+        running.inc()
+        stream: RequestStream | None = None
+        try:
+            stream = await self.backend.submit(self.req_id, self.req.sequences(self.req_id, self.tenant))
+            remaining = self.req.n
+            while remaining:
+                index, msg = await stream.queue.get()
+                if isinstance(msg, RequestFailed):
+                    self.metrics.lbl(self.metrics.request_failure, status=str(msg.status)).inc()
+                    raise failure_error(msg, self.retry_after_s)
+                self._record(index, msg)
+                if msg.finish_reason is not None:
+                    remaining -= 1
+                yield index, msg
+            self.metrics.lbl(self.metrics.e2e).observe(time.perf_counter() - self._t0)
+            for c in self.choices:
+                reason = R.finish_reason(c.finish_reason) or "stop"
+                self.metrics.lbl(self.metrics.request_success, finished_reason=reason).inc()
+        finally:
+            running.dec()
+            if stream is not None:
+                self.backend.close(stream)
+
+    def _record(self, index: int, d: TextDelta) -> None:
+        c = self.choices[index]
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            c.logprobs.extend(d.logprobs)
+        # Counts are running totals; keep the largest seen so a delta that omits them changes nothing.
+        c.num_prompt_tokens = max(c.num_prompt_tokens, d.num_prompt_tokens)
+        c.num_cached_tokens = max(c.num_cached_tokens, d.num_cached_tokens)
+        c.num_output_tokens = max(c.num_output_tokens, d.num_output_tokens)
+        now = time.perf_counter()
+        if d.token_ids:
+            if self._first_at is None:
+                self._first_at = now
+                self.metrics.lbl(self.metrics.ttft).observe(now - self._t0)
+            elif self._last_at[index]:
+                self.metrics.lbl(self.metrics.itl).observe(now - self._last_at[index])
+            self._last_at[index] = now
+        if d.finish_reason is not None:
+            c.finish_reason = d.finish_reason
+            self.metrics.sequence_done(c.num_prompt_tokens, c.num_cached_tokens,
+                                       max(c.num_output_tokens, len(c.token_ids)))
+
+    async def body(self, model: str) -> dict[str, object]:
+        """Run to the end and build the non-streaming response body."""
+        async for _ in self.deltas():
+            pass
+        build = R.chat_body if self.req.chat else R.completion_body
+        return build(self.req_id, self.created, model, self.choices, self.req.params.logprobs is not None)
+
+    async def stream(self, request: web.Request, model: str) -> web.StreamResponse:
+        """Answer with server-sent events. Waits for the first delta before sending headers, so a refusal
+        (429, 400 for a too-long prompt) is still a proper HTTP status."""
+        chat, inc = self.req.chat, self.req.include_usage
+        want_lp = self.req.params.logprobs is not None
+        resp: web.StreamResponse | None = None
+        offsets = [0] * self.req.n
+        failed = False
+        it = self.deltas()
+        try:
+            async for index, d in it:
+                if resp is None:
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                    await resp.prepare(request)
+                    if chat:
+                        for i in range(self.req.n):
+                            await _send(resp, R.chunk(True, self.req_id, self.created, model, i, text="",
+                                                      role=True, include_usage=inc))
+                if d.text or d.token_ids or d.finish_reason is not None:
+                    await _send(resp, R.chunk(chat, self.req_id, self.created, model, index,
+                                              text=d.text, logprobs=d.logprobs if want_lp else None,
+                                              text_offset=offsets[index], finish=d.finish_reason,
+                                              include_usage=inc))
+                offsets[index] += len(d.text)
+        except ApiError as e:
+            if resp is None:
+                raise
+            failed = True
+            await _send(resp, e.body())  # headers are gone: report in-band, as OpenAI-compatible servers do
+        finally:
+            await it.aclose()
+        assert resp is not None
+        if inc and not failed:
+            await _send(resp, R.usage_chunk(chat, self.req_id, self.created, model, self.choices))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _send(resp: web.StreamResponse, body: dict[str, object]) -> None:
+    await resp.write(b"data: " + orjson.dumps(body) + b"\n\n")

@@ -1,0 +1,254 @@
+"""The frontend against a fake tokenizer+scheduler, through the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from test_frontend_fake import BLOCK, LiveServer, wait_for
+
+from stride.config import ServerConfig, StrideConfig
+from stride.ipc.rundir import make_ipc_config, remove_run_dir
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def make_config(**server: object) -> StrideConfig:
+    ipc = make_ipc_config()  # the default root: pytest's tmp paths are too long for unix sockets
+    return StrideConfig(ipc=ipc, server=ServerConfig(port=0, tokenizer_workers=2, **server))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    config = make_config()
+    with LiveServer(config) as srv:
+        yield srv
+    remove_run_dir(config.ipc)
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def raw(url: str, method: str, path: str, body: bytes | str | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = body.encode() if isinstance(body, str) else body
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = (resp.status, dict(resp.getheaders()), resp.read())
+    conn.close()
+    return out
+
+
+def words(n: int, tag: str = "w") -> str:
+    return "".join(f"{tag}{i} " for i in range(n))
+
+
+def test_chat_non_streaming(client: openai.OpenAI, server: LiveServer) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)  # type: ignore[arg-type]
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == words(4)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len("be briefhello there") and r.usage.completion_tokens == 4
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 4
+    sent = server.fake.generates[-1]
+    assert sent.messages == msgs and sent.tenant == "default" and sent.params.max_tokens == 4
+
+
+def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream me"}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == words(5)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len("stream me")
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_text_and_token_ids(client: openai.OpenAI, server: LiveServer) -> None:
+    r = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=3)
+    assert r.object == "text_completion" and r.choices[0].text == words(3)
+    assert server.fake.generates[-1].prompt == "Once upon"
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=2)
+    assert r.choices[0].text == words(2) and r.usage is not None and r.usage.prompt_tokens == 4
+    assert server.fake.generates[-1].prompt_token_ids == [5, 6, 7, 8]
+    assert server.fake.generates[-1].prompt is None
+    stream = client.completions.create(model=MODEL, prompt=["a list of one"], max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == words(3)
+
+
+def test_n2_seeds_and_round_robin(client: openai.OpenAI, server: LiveServer) -> None:
+    before = len(server.fake.generates)
+    r = client.completions.create(model=MODEL, prompt="twice", max_tokens=2, n=2, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [words(2, "s7_"), words(2, "s8_")]
+    sent = server.fake.generates[before:]
+    assert sorted(g.req_id.rsplit("-", 1)[1] for g in sent) == ["0", "1"]
+    assert len({g.req_id.rsplit("-", 1)[0] for g in sent}) == 1
+    assert r.usage is not None and r.usage.completion_tokens == 4
+    assert set(server.fake.by_tokenizer) == {0, 1}  # both tokenizer workers got work
+    streamed = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2, stream=True))
+    for i in (0, 1):
+        assert "".join(c.choices[0].delta.content or "" for c in streamed
+                       if c.choices and c.choices[0].index == i) == words(2)
+
+
+def test_stop_and_max_tokens(client: openai.OpenAI, server: LiveServer) -> None:
+    r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=8, stop=["w3"])
+    assert server.fake.generates[-1].params.stop == ("w3",)
+    assert r.choices[0].text == words(3) and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "s"}],
+                                       max_completion_tokens=6, stop="w1")
+    assert server.fake.generates[-1].params.stop == ("w1",)
+    assert server.fake.generates[-1].params.max_tokens == 6
+    assert r.choices[0].message.content == words(1) and r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_shapes(client: openai.OpenAI, server: LiveServer) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "lp"}],
+                                       max_tokens=3, logprobs=True, top_logprobs=2)
+    assert server.fake.generates[-1].params.logprobs == 2
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [e.token for e in content] == ["w0 ", "w1 ", "w2 "]
+    assert all(len(e.top_logprobs) == 2 and e.logprob == -0.5 for e in content)
+    r2 = client.completions.create(model=MODEL, prompt="lp", max_tokens=3, logprobs=1)
+    lp = r2.choices[0].logprobs
+    assert lp is not None and lp.tokens == ["w0 ", "w1 ", "w2 "] and lp.token_logprobs == [-0.5] * 3
+    assert lp.top_logprobs == [{"alt0": -1.0}] * 3 and lp.text_offset == [0, 3, 6]
+    r3 = client.completions.create(model=MODEL, prompt="no lp", max_tokens=2)
+    assert r3.choices[0].logprobs is None  # negative control: none unless asked
+
+
+def test_backend_refusals_carry_status_and_retry_after(server: LiveServer) -> None:
+    for marker, status in (("FAIL429", 429), ("FAIL503", 503)):
+        for stream in (False, True):
+            body = json.dumps({"model": MODEL, "prompt": marker, "stream": stream})
+            code, headers, data = raw(server.url, "POST", "/v1/completions", body)
+            assert code == status and headers.get("Retry-After") == "1"
+            assert json.loads(data)["error"]["message"] == f"fake {marker}"
+    code, headers, data = raw(server.url, "POST", "/v1/completions", json.dumps({"prompt": "TOOLONG"}))
+    assert code == 400 and "Retry-After" not in headers and json.loads(data)["error"]["code"] == "toolong"
+    r = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as e:
+        r.completions.create(model=MODEL, prompt="FAIL429")
+    assert e.value.response.headers["retry-after"] == "1"
+
+
+def _open_stream(url: str, body: dict[str, object]) -> tuple[http.client.HTTPConnection,
+                                                             http.client.HTTPResponse, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp, resp.readline()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts(server: LiveServer, stream: bool) -> None:
+    before = len(server.fake.generates)
+    body = {"model": MODEL, "prompt": "SLOW please", "max_tokens": 2000, "stream": stream}
+    if stream:
+        conn, _, first = _open_stream(server.url, body)
+        assert first.startswith(b"data: ")
+    else:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(body))
+    assert wait_for(lambda: len(server.fake.generates) > before)
+    req_id = server.fake.generates[before].req_id
+    assert req_id not in server.fake.aborts  # negative control: nothing aborted while the client is there
+    conn.sock.close()  # type: ignore[union-attr]
+    conn.close()
+    assert wait_for(lambda: req_id in server.fake.aborts and req_id in server.fake.releases)
+
+
+def test_finished_request_is_not_aborted(client: openai.OpenAI, server: LiveServer) -> None:
+    client.completions.create(model=MODEL, prompt="quick", max_tokens=2)
+    req_id = server.fake.generates[-1].req_id
+    client.completions.create(model=MODEL, prompt="after", max_tokens=1)
+    assert req_id not in server.fake.aborts and req_id not in server.fake.releases
+
+
+def test_models_health_metrics(client: openai.OpenAI, server: LiveServer) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    code, _, data = raw(server.url, "GET", "/health")
+    assert code == 200 and json.loads(data)["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=3)  # second time: cached blocks
+    code, headers, data = raw(server.url, "GET", "/metrics")
+    text = data.decode()
+    assert code == 200 and headers["Content-Type"].startswith("text/plain")
+    for name in ("stride:num_requests_running", "stride:prompt_tokens_total",
+                 "stride:generation_tokens_total", "stride:prefix_cache_hits_total",
+                 "stride:prefix_cache_queries_total",
+                 "stride:time_to_first_token_seconds_bucket", "stride:inter_token_latency_seconds_bucket",
+                 "stride:e2e_request_latency_seconds_bucket", "stride:kv_blocks_live",
+                 "stride:kv_blocks_cached", "stride:kv_blocks_free", "stride:request_success_total"):
+        assert name in text, name
+    assert "stride:no_such_metric" not in text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("stride:") and "_bucket" not in line}
+    assert values["stride:kv_blocks_free"] == 1017.0 and values["stride:kv_blocks_live"] == 3.0
+    assert values["stride:generation_tokens_total"] >= 6
+    assert values["stride:prefix_cache_hits_total"] >= BLOCK * ((len("count me") - 1) // BLOCK)
+
+
+def test_worker_dead_turns_health_red() -> None:
+    from stride.ipc.messages import RequestFailed
+    config = make_config()
+    with LiveServer(config) as srv:
+        conn, resp, _ = _open_stream(srv.url, {"prompt": "SLOW", "max_tokens": 2000, "stream": True})
+        assert raw(srv.url, "GET", "/health")[0] == 200
+        dead = RequestFailed(req_id="", status=503, message="rank 0 died", code="worker_dead")
+        srv.call(srv.fake.send(dead))
+        rest = resp.read()
+        conn.close()
+        assert b"rank 0 died" in rest and rest.endswith(b"data: [DONE]\n\n")  # in-flight request told
+        code, _, data = raw(srv.url, "GET", "/health")
+        assert code == 503 and "rank 0 died" in json.loads(data)["reason"]
+        code, headers, _ = raw(srv.url, "POST", "/v1/completions", json.dumps({"prompt": "hi"}))
+        assert code == 503 and headers["Retry-After"] == "1"
+    remove_run_dir(config.ipc)
+
+
+def test_tenants_and_api_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# key tenant\nkey-a alice\nkey-b   bob  # trailing comment\n\n")
+    config = make_config(api_keys_file=str(keys))
+    prompt = "a shared system prompt that spans several blocks of sixteen tokens each"
+    with LiveServer(config) as srv:
+        def cached(key: str) -> int:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+        assert cached("key-a") == 0
+        assert cached("key-a") == (len(prompt) - 1) // BLOCK * BLOCK > 0  # same tenant: cached
+        assert cached("key-b") == 0  # other tenant: nothing shared
+        assert [g.tenant for g in srv.fake.generates] == ["alice", "alice", "bob"]
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-a"},
+                        {"Authorization": "Basic key-a"}):
+            code, _, data = raw(srv.url, "POST", "/v1/completions", json.dumps({"prompt": "x"}), headers)
+            assert code == 401 and json.loads(data)["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+        assert raw(srv.url, "GET", "/health")[0] == 200  # health needs no key
+        assert len(srv.fake.generates) == 3  # refused requests never reached the backend
+    remove_run_dir(config.ipc)
