@@ -132,6 +132,8 @@ class BlockManager:
     def mark_computed(self, slot: int, num_computed_tokens: int) -> None:
         """Tokens ``[0, num_computed_tokens)`` are scheduled: index every full block inside that range."""
         self._occupied(slot)
+        if not self.enable_prefix_caching:
+            return
         num_full = num_computed_tokens // self.block_size
         if num_full > self._num_hashed[slot]:  # else the common decode step: nothing new became full
             self._index_upto(slot, num_computed_tokens)
@@ -139,6 +141,8 @@ class BlockManager:
     def mark_computed_many(self, slots: np.ndarray, num_computed_tokens: np.ndarray) -> None:
         """:meth:`mark_computed` for each ``(slots[i], num_computed_tokens[i])``; Python work only for the
         sequences in which a block became full."""
+        if not self.enable_prefix_caching:
+            return
         slots = np.asarray(slots, dtype=np.intp)
         nums = np.asarray(num_computed_tokens, dtype=np.int64)
         todo = np.nonzero(nums // self.block_size > self._num_hashed[slots])[0]
@@ -339,8 +343,6 @@ class BlockManager:
         bs = self.block_size
         first, num_full = int(self._num_hashed[slot]), num_computed_tokens // bs
         self._num_hashed[slot] = num_full
-        if not self.enable_prefix_caching:
-            return
         index, block_hashes = self._index, self._block_hash
         step = bs * TOKEN_DTYPE.itemsize
         data = self._tokens[slot, first * bs:num_full * bs].tobytes()
