@@ -1,0 +1,242 @@
+"""Paged attention over the KV cache: the per-step metadata, the backend seam, and the PyTorch reference.
+
+A step's tokens are flattened: sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``,
+which sit at the *last* ``query_lens[i]`` positions of its ``context_lens[i]``-token context. Key ``j`` of a
+sequence lives in physical block ``block_tables[i, j // block_size]`` at offset ``j % block_size`` of the
+cache (layout in :mod:`stride.workers.kv_cache`). Each layer first writes all of the step's new K/V
+(:meth:`AttentionBackend.write_kv`), then attends (:meth:`AttentionBackend.attend`), so two sequences of one
+step that share prefix blocks both see them.
+
+Backends register by name (:func:`register_backend`); ``torch`` is the reference that runs anywhere. The
+Triton kernels plug in under another name and must agree with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stride import env
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step, built once per forward and shared by every layer."""
+
+    block_size: int
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64: flat cache slot (``block * block_size + offset``) each new token is written to."""
+    positions: torch.Tensor
+    """(num_tokens,) int64 position of each token in its sequence."""
+    query_start_loc: torch.Tensor
+    """(num_seqs + 1,) int32 on the device: prefix sums of query_lens."""
+    context_lens: torch.Tensor
+    """(num_seqs,) int32 on the device: KV length after this step."""
+    block_tables: torch.Tensor
+    """(num_seqs, max_blocks) int32 on the device; unused entries are 0 (a valid block, masked out)."""
+    query_lens_cpu: np.ndarray
+    context_lens_cpu: np.ndarray
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @staticmethod
+    def build(
+        positions: torch.Tensor,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """From per-sequence lengths and the (num_seqs, >= max blocks) block tables, all already on the device
+        except the two length arrays (host numpy, int)."""
+        device = positions.device
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        context_lens = np.asarray(context_lens, dtype=np.int64)
+        if np.any(query_lens < 1) or np.any(context_lens < query_lens):
+            raise ValueError("each sequence needs 1 <= query_len <= context_len")
+        if int(query_lens.sum()) != positions.numel():
+            raise ValueError(f"query_lens sum to {int(query_lens.sum())}, got {positions.numel()} tokens")
+        num_blocks_used = -(-context_lens // block_size)
+        max_blocks = int(num_blocks_used.max())
+        if block_tables.shape[1] < max_blocks:
+            raise ValueError(f"block tables have {block_tables.shape[1]} columns, need {max_blocks}")
+        tables = block_tables[:, :max_blocks]
+        used = (
+            torch.arange(max_blocks, device=device)[None, :]
+            < torch.from_numpy(num_blocks_used).to(device)[:, None]
+        )
+        tables = torch.where(used, tables, 0).to(torch.int32)
+        # Token t of sequence i is written at its position's (block, offset).
+        seq_of_token = torch.from_numpy(np.repeat(np.arange(len(query_lens)), query_lens)).to(device)
+        pos = positions.long()
+        slot_mapping = tables[seq_of_token, pos // block_size].long() * block_size + pos % block_size
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        return AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=slot_mapping,
+            positions=pos,
+            query_start_loc=torch.from_numpy(starts).to(device),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(device),
+            block_tables=tables,
+            query_lens_cpu=query_lens,
+            context_lens_cpu=context_lens,
+            max_query_len=int(query_lens.max()),
+            max_context_len=int(context_lens.max()),
+        )
+
+
+class AttentionBackend(Protocol):
+    """q: (num_tokens, num_heads, head_dim); k/v: (num_tokens, num_kv_heads, head_dim); caches:
+    (num_blocks, block_size, num_kv_heads, head_dim). ``attend`` returns q's shape."""
+
+    name: str
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchPagedAttention:
+    """Reference backend in plain PyTorch: decodes batched (gather their blocks, one SDPA call), prefill
+    chunks one sequence at a time (causal by position over cached keys plus the chunk)."""
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        decode = np.flatnonzero(meta.query_lens_cpu == 1)
+        starts = (
+            meta.query_start_loc.cpu().numpy() if q.device.type != "cpu" else meta.query_start_loc.numpy()
+        )
+        if len(decode):
+            rows = torch.from_numpy(decode).to(q.device)
+            tokens = torch.from_numpy(starts[decode]).to(q.device)
+            out[tokens] = self._decode(
+                q[tokens],
+                k_cache,
+                v_cache,
+                meta.block_tables[rows],
+                meta.context_lens[rows],
+                int(meta.context_lens_cpu[decode].max()),
+                scale,
+            )
+        for i in np.flatnonzero(meta.query_lens_cpu > 1):
+            lo, hi = int(starts[i]), int(starts[i + 1])
+            ctx = int(meta.context_lens_cpu[i])
+            k, v = _gather(k_cache, v_cache, meta.block_tables[i : i + 1], ctx)
+            allowed = torch.arange(ctx, device=q.device)[None, :] <= meta.positions[lo:hi, None]
+            out[lo:hi] = _sdpa(q[None, lo:hi], k, v, allowed[None], scale)[0]
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        k, v = _gather(k_cache, v_cache, tables, max_len)
+        allowed = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+        return _sdpa(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
+
+
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, length, num_kv_heads, head_dim) keys and values of the blocks named by ``tables`` (n rows)."""
+    n = tables.shape[0]
+    num_blocks = -(-length // k_cache.shape[1])
+    idx = tables[:, :num_blocks].long()
+    k = k_cache[idx].reshape(n, -1, *k_cache.shape[2:])[:, :length]
+    v = v_cache[idx].reshape(n, -1, *v_cache.shape[2:])[:, :length]
+    return k, v
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (n, L, H, D), k/v (n, S, KVH, D), allowed (n, L, S) bool → (n, L, H, D)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=allowed[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+@dataclass
+class AttentionContext:
+    """What every attention layer of one forward reads: the step's metadata, the backend, the caches."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchPagedAttention}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Make a backend selectable by name (the Triton kernels register themselves as ``triton``)."""
+    _BACKENDS[name] = factory
+
+
+def get_backend(name: str = "", device_type: str = "cpu") -> AttentionBackend:
+    """The backend ``name``; empty reads ``STRIDE_ATTENTION_BACKEND``, else picks ``triton`` on CUDA when one
+    is registered and ``torch`` otherwise."""
+    name = name or env.ATTENTION_BACKEND.get()
+    if not name:
+        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

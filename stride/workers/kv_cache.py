@@ -1,0 +1,100 @@
+"""The paged KV cache tensors of one rank, and how many blocks fit in the memory left after the weights.
+
+Layout (shared with the Triton kernels in ``kernels/paged_attention.py``): per layer, one K and one V
+tensor of shape ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous, head_dim innermost.
+Token ``j`` of a sequence lives at ``[block_table[j // block_size], j % block_size]``. Block ids are the
+scheduler's physical block ids (``0 .. num_blocks - 1``); the worker never allocates or frees blocks,
+it only writes where the step's block tables say.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stride.planner.geometry import ModelGeometry
+from stride.planner.memory import num_kv_blocks
+from stride.workers.models import ModelArgs
+
+
+class KVCache:
+    """Every layer's K and V block pool on one device."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        tp_size: int = 1,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, args.num_kv_heads // tp_size, args.head_dim)
+        # Zeros, not empty: a masked-out read of a never-written slot must not meet NaN (0 * NaN = NaN).
+        self.k_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
+        self.v_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+
+def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block across all layers, K and V, on one rank."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * (args.num_kv_heads // tp_size) * args.head_dim * elem
+
+
+def geometry(args: ModelArgs, name: str = "model") -> ModelGeometry:
+    """The planner's view of a model shape."""
+    return ModelGeometry(
+        name,
+        args.num_layers,
+        args.hidden_size,
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        args.intermediate_size,
+        args.vocab_size,
+        args.tie_word_embeddings,
+        args.num_experts,
+        args.num_experts_per_tok if args.num_experts else 0,
+        args.max_position_embeddings,
+    )
+
+
+def num_blocks_for_memory(
+    args: ModelArgs,
+    free_bytes: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    tp_size: int = 1,
+) -> int:
+    """Blocks that fit in ``free_bytes`` after the planner's activation reserve (the planner's own formula,
+    so a deployment the planner approves gets the cache it planned)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    # The planner knows 16-bit and 8-bit KV; a float32 cache is two 16-bit ones.
+    blocks_16 = num_kv_blocks(
+        geometry(args),
+        free_bytes,
+        block_size,
+        "bf16",
+        tp=tp_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        act_bytes=elem,
+    )
+    return blocks_16 * 2 // elem
+
+
+def free_device_bytes(device: torch.device, memory_utilization: float) -> int:
+    """On CUDA: ``total × memory_utilization`` minus what this process and others already hold."""
+    if device.type != "cuda":
+        raise ValueError("free memory is measured on CUDA only; give num_blocks on CPU")
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return max(0, int(total * memory_utilization) - used)

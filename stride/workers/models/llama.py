@@ -1,0 +1,164 @@
+"""Llama (2, 3, 3.1 with llama3 RoPE scaling; SmolLM2 is one) over flattened tokens and the paged KV cache.
+
+Parameters are named after the modules here, not after the checkpoint; :meth:`Transformer.load_weight`
+maps HF checkpoint names (``model.layers.3.self_attn.q_proj.weight``) onto them and their shards.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from stride.workers.attention import AttentionContext
+from stride.workers.models.args import ModelArgs
+from stride.workers.models.layers import (
+    ColumnParallelLinear,
+    Embedding,
+    GatedMLP,
+    RMSNorm,
+    RowParallelLinear,
+    apply_rope,
+    rope_cos_sin,
+)
+
+# HF checkpoint name → (our module path, shard within a merged weight). Group 1 is the layer index.
+_LAYER_RULES: list[tuple[str, str, int]] = [
+    (r"self_attn\.q_proj", "self_attn.qkv_proj", 0),
+    (r"self_attn\.k_proj", "self_attn.qkv_proj", 1),
+    (r"self_attn\.v_proj", "self_attn.qkv_proj", 2),
+    (r"self_attn\.o_proj", "self_attn.o_proj", 0),
+    (r"mlp\.gate_proj", "mlp.gate_up_proj", 0),
+    (r"mlp\.up_proj", "mlp.gate_up_proj", 1),
+    (r"mlp\.down_proj", "mlp.down_proj", 0),
+    (r"input_layernorm", "input_layernorm", 0),
+    (r"post_attention_layernorm", "post_attention_layernorm", 0),
+]
+_TOP_RULES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+
+
+class Attention(nn.Module):
+    """GQA self-attention: qkv column-parallel (each rank its heads), o row-parallel."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if args.num_kv_heads % tp_size:
+            raise ValueError(f"num_kv_heads {args.num_kv_heads} not divisible by tp_size {tp_size}")
+        self.layer_id = layer_id
+        self.num_heads = args.num_heads // tp_size
+        self.num_kv_heads = args.num_kv_heads // tp_size
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(q_size, args.hidden_size, tp_rank, tp_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
+        # Write first, for every sequence of the step, then attend: shared prefix blocks are then complete.
+        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
+        out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class Block(nn.Module):
+    def __init__(
+        self, args: ModelArgs, layer_id: int, mlp: nn.Module, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_id, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+MlpFactory = Callable[[ModelArgs, int, int], nn.Module]
+"""(args, tp_rank, tp_size) → the feed-forward module of one layer."""
+
+
+def dense_mlp(args: ModelArgs, tp_rank: int, tp_size: int) -> nn.Module:
+    return GatedMLP(args.hidden_size, args.intermediate_size, tp_rank, tp_size)
+
+
+class Transformer(nn.Module):
+    """Decoder over a step's flattened tokens; the feed-forward kind comes from ``mlp_factory``."""
+
+    def __init__(
+        self, args: ModelArgs, mlp_factory: MlpFactory = dense_mlp, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(args, i, mlp_factory(args, tp_rank, tp_size), tp_rank, tp_size)
+            for i in range(args.num_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], tp_rank, tp_size)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", args.inv_freq(), persistent=False)
+        self.extra_rules: list[tuple[str, str, int]] = []
+        """Family-specific checkpoint name rules (Mixtral's experts), same form as ``_LAYER_RULES``."""
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute non-checkpoint buffers (after the model was built on the meta device)."""
+        self.inv_freq = self.args.inv_freq().to(device)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final-norm hidden states (num_tokens, hidden) for the flattened tokens of one step."""
+        x = self.embed_tokens(token_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits (n, vocab) of the given hidden rows (vocabulary-parallel later: gather here)."""
+        return self.lm_head(hidden).float()
+
+    def _loadable(self, path: str) -> Any:
+        """The module at ``path``; every leaf with parameters here has ``load_full(tensor, shard)``."""
+        return self.get_submodule(path)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Load one unsharded HF-named checkpoint tensor; ``KeyError`` for a name with no place here."""
+        if name.endswith(".weight"):
+            stem = name[: -len(".weight")]
+            if stem in _TOP_RULES:
+                if stem == "lm_head" and self.args.tie_word_embeddings:
+                    return  # some checkpoints store the tied copy too
+                self._loadable(_TOP_RULES[stem]).load_full(tensor)
+                return
+            m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
+            if m:
+                layer, rest = m.group(1), m.group(2)
+                for pattern, target, shard in _LAYER_RULES + self.extra_rules:
+                    sub = re.fullmatch(pattern, rest)
+                    if sub:
+                        path = f"layers.{layer}.{target.format(*sub.groups())}"
+                        self._loadable(path).load_full(tensor, shard)
+                        return
+        raise KeyError(f"checkpoint tensor {name!r} has no place in a {self.args.family} model")
+
+
+def build(args: ModelArgs, tp_rank: int = 0, tp_size: int = 1) -> Transformer:
+    return Transformer(args, dense_mlp, tp_rank, tp_size)

@@ -1,0 +1,155 @@
+"""ModelRunner: the rank worker's model half. Loads the weights, owns the KV cache, runs one step.
+
+A step is one forward over the flattened tokens of every scheduled sequence (prefill chunks and decodes
+together) and returns the float32 logits of each sequence's last token; sampling is the caller's. The
+inputs are the step arrays of :mod:`stride.ipc.layouts` (numpy views of shared memory): the runner only
+reads them, and copies just the rows and columns of the block tables this step needs, on its own side.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
+from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
+from stride.workers.loader import ProgressCallback, load_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_dtype(device: str = "", dtype: str = "") -> tuple[torch.device, torch.dtype]:
+    """Empty device: CUDA when present. Empty dtype: float32 on CPU, bfloat16 on CUDA."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    return dev, _DTYPES[dtype or ("bfloat16" if dev.type == "cuda" else "float32")]
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+
+
+class ModelRunner:
+    """One rank's model and KV cache. Not thread-safe; one step at a time.
+
+    ``num_blocks=None`` sizes the cache from the device memory measured free after loading (CUDA only,
+    through the planner's formula); on CPU it must be given.
+    """
+
+    def __init__(
+        self,
+        model_path: str = "",
+        *,
+        device: str = "",
+        dtype: str = "",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        memory_utilization: float = 0.9,
+        attention_backend: str = "",
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.model = load_model(model_path, self.device, self.dtype, progress)
+        self.args = self.model.args
+        self.block_size = block_size
+        if num_blocks is None:
+            free = free_device_bytes(self.device, memory_utilization)
+            num_blocks = num_blocks_for_memory(
+                self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs
+            )
+            if num_blocks < 1:
+                raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
+        self.kv_cache = KVCache(self.args, num_blocks, block_size, self.device, self.dtype)
+        self.num_blocks = num_blocks
+        self.backend = get_backend(attention_backend, self.device.type)
+        log.info(
+            "model %s on %s/%s: %d KV blocks of %d tokens (%.2f GiB), attention %s",
+            self.args.family,
+            self.device,
+            self.dtype,
+            num_blocks,
+            block_size,
+            self.kv_cache.nbytes / 2**30,
+            self.backend.name,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        worker: WorkerConfig,
+        cache: CacheConfig,
+        sched: SchedulerConfig,
+        progress: ProgressCallback | None = None,
+    ) -> ModelRunner:
+        """As the worker process builds it: on CUDA the cache is sized from free memory, on CPU it has
+        ``cache.num_blocks`` blocks."""
+        device, _ = resolve_device_dtype(worker.device, worker.dtype)
+        return cls(
+            worker.model,
+            device=str(device),
+            dtype=worker.dtype,
+            block_size=cache.block_size,
+            num_blocks=None if device.type == "cuda" else cache.num_blocks,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            memory_utilization=worker.gpu_memory_utilization,
+            progress=progress,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Any,
+        positions: Any,
+        seq_slots: Any,
+        query_lens: Any,
+        context_lens: Any,
+        block_tables: Any,
+    ) -> torch.Tensor:
+        """Run one step; return float32 logits (num_seqs, vocab) of each sequence's last token this step.
+
+        ``token_ids``/``positions``: (num_tokens,), sequences back to back; ``seq_slots``, ``query_lens``,
+        ``context_lens`` (KV length after this step): (num_seqs,); ``block_tables``: the whole
+        (max_num_seqs, max_blocks) array, rows indexed by slot. numpy arrays or CPU tensors, int32 or int64.
+        """
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        ctx_lens = np.asarray(context_lens, dtype=np.int64)
+        slots = np.asarray(seq_slots, dtype=np.int64)
+        if len(q_lens) == 0:
+            return torch.empty(0, self.args.vocab_size, device=self.device)
+        max_blocks = int(-(-ctx_lens.max() // self.block_size))
+        # Only this step's rows and columns leave the shared array; the gather copies on our side.
+        tables_host = _tensor(block_tables)[:, :max_blocks][torch.from_numpy(slots)]
+        needed = (
+            torch.arange(max_blocks)[None, :] < torch.from_numpy(-(-ctx_lens // self.block_size))[:, None]
+        )
+        if bool(((tables_host < 0) | (tables_host >= self.num_blocks))[needed].any()):
+            raise ValueError(f"block table names a block outside 0..{self.num_blocks - 1}")
+        tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
+        pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
+        tables = tables_host.to(self.device, torch.int32, non_blocking=True)
+        meta = AttentionMetadata.build(pos, q_lens, ctx_lens, tables, self.block_size)
+        ctx = AttentionContext(meta, self.backend, self.kv_cache.k_caches, self.kv_cache.v_caches)
+        hidden = self.model(tokens, pos, ctx)
+        last = meta.query_start_loc[1:].long() - 1
+        return self.model.compute_logits(hidden[last])
+
+    def step(self, buffers: Any, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """:meth:`forward` over a :class:`stride.ipc.layouts.StepBuffers` (views, no copies)."""
+        return self.forward(
+            buffers.token_ids[:num_tokens],
+            buffers.positions[:num_tokens],
+            buffers.seq_slots[:num_seqs],
+            buffers.query_lens[:num_seqs],
+            buffers.context_lens[:num_seqs],
+            buffers.block_tables,
+        )
