@@ -7,6 +7,7 @@ A client's ``req_id`` is only unique per connection, so each request gets a fron
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -48,6 +49,9 @@ class ClientServer:
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         self._sock.setsockopt(zmq.SNDHWM, HWM)
         self._sock.setsockopt(zmq.RCVHWM, HWM)
+        # Sending to a client that has gone raises EHOSTUNREACH instead of dropping silently: that is how
+        # a vanished client's requests get aborted.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(self.config.ipc.client_address())
         self._loop_task = asyncio.create_task(self._serve(), name="client-server")
 
@@ -77,7 +81,8 @@ class ClientServer:
                 key = (identity, msg.req_id)
                 if key in self._tasks:
                     busy = f"req_id {msg.req_id!r} is already running"
-                    await self._send(identity, ClientOutput(req_id=msg.req_id, status=400, error=busy))
+                    with contextlib.suppress(zmq.ZMQError):
+                        await self._send(identity, ClientOutput(req_id=msg.req_id, status=400, error=busy))
                     continue
                 task = asyncio.create_task(self._generate(identity, msg))
                 self._tasks[key] = task
@@ -92,10 +97,16 @@ class ClientServer:
             parsed = parse_client(msg.prompt, msg.prompt_token_ids, msg.messages, msg.params,
                                   self.config.scheduler)
             gen = Generation(self.backend, self.metrics, parsed, tenant, self.config.server.retry_after_s)
-            async for _, d in gen.deltas():
-                await self._send(identity, ClientOutput(
-                    req_id=msg.req_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                    num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
-                    num_output_tokens=d.num_output_tokens, logprobs=d.logprobs))
+            async with contextlib.aclosing(gen.deltas()) as deltas:  # aborts what is unfinished on exit
+                async for _, d in deltas:
+                    await self._send(identity, ClientOutput(
+                        req_id=msg.req_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                        num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
+                        num_output_tokens=d.num_output_tokens, logprobs=d.logprobs))
         except ApiError as e:
-            await self._send(identity, ClientOutput(req_id=msg.req_id, status=e.status, error=e.message))
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(identity, ClientOutput(req_id=msg.req_id, status=e.status, error=e.message))
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            log.info("client gone; aborted its request %s", msg.req_id)
