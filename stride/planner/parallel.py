@@ -96,7 +96,8 @@ def matrix_format(m: Matrix, fmt: WeightFormat) -> WeightFormat:
     return BF16 if m.embedding and not fmt.quantize_embeddings else fmt
 
 
-def _shard_shape(g: ModelGeometry, m: Matrix, par: Parallelism) -> tuple[int, int]:
+def shard_shape(g: ModelGeometry, m: Matrix, par: Parallelism) -> tuple[int, int]:
+    """Rows × cols of one rank's piece of ``m``."""
     split = par.expert_tp if m.expert else par.tp
     if m.split == "column" or m.split == "vocab":
         return m.rows // split, m.cols
@@ -107,7 +108,8 @@ def _shard_shape(g: ModelGeometry, m: Matrix, par: Parallelism) -> tuple[int, in
     return m.rows, m.cols
 
 
-def _matrix_bytes(m: Matrix, fmt: WeightFormat, rows: int, cols: int) -> int:
+def matrix_bytes(m: Matrix, fmt: WeightFormat, rows: int, cols: int) -> int:
+    """Bytes of a ``rows × cols`` piece of ``m`` stored in ``fmt`` (norms and 16-bit embeddings apart)."""
     if m.norm:
         return rows * cols * fmt.norm_bytes
     return matrix_format(m, fmt).matrix_bytes(rows, cols)
@@ -119,7 +121,7 @@ def stage_weight_bytes(g: ModelGeometry, fmt: WeightFormat, par: Parallelism, st
     last = par.pp - 1
     total = 0
     for m in g.matrices():
-        rows, cols = _shard_shape(g, m, par)
+        rows, cols = shard_shape(g, m, par)
         if m.per_layer:
             copies = m.count // g.num_layers * layers
             if m.expert:
@@ -129,7 +131,7 @@ def stage_weight_bytes(g: ModelGeometry, fmt: WeightFormat, par: Parallelism, st
             copies = int(stage == 0 or (g.tie_embeddings and stage == last))
         else:
             copies = int(stage == last)
-        total += copies * _matrix_bytes(m, fmt, rows, cols)
+        total += copies * matrix_bytes(m, fmt, rows, cols)
     return total
 
 
