@@ -179,6 +179,17 @@ def test_disconnect_aborts(server: LiveServer, stream: bool) -> None:
     assert wait_for(lambda: req_id in server.fake.aborts and req_id in server.fake.releases)
 
 
+def test_one_failed_sequence_fails_the_request(server: LiveServer) -> None:
+    before = len(server.fake.generates)
+    body = json.dumps({"prompt": "HALFFAIL", "n": 2, "max_tokens": 2000})
+    code, headers, data = raw(server.url, "POST", "/v1/completions", body)
+    assert code == 503 and headers["Retry-After"] == "1" and b"fake half failure" in data
+    seq0, seq1 = sorted(g.req_id for g in server.fake.generates[before:])
+    assert wait_for(lambda: seq0 in server.fake.aborts and seq0 in server.fake.releases)
+    assert wait_for(lambda: seq1 in server.fake.releases)
+    assert seq1 not in server.fake.aborts  # already gone at the scheduler: only released
+
+
 def test_finished_request_is_not_aborted(client: openai.OpenAI, server: LiveServer) -> None:
     client.completions.create(model=MODEL, prompt="quick", max_tokens=2)
     req_id = server.fake.generates[-1].req_id

@@ -109,6 +109,10 @@ class FakeBackend:
                 await self.send(RequestFailed(req_id=req.req_id, status=status, message=f"fake {marker}",
                                               code=marker.lower()))
                 return
+        if "HALFFAIL" in text and req.req_id.endswith("-1"):
+            await asyncio.sleep(0.1)  # let sequence 0 get going first
+            await self.send(RequestFailed(req_id=req.req_id, status=503, message="fake half failure"))
+            return
         seen = self.seen.setdefault(req.tenant, set())
         cached = (len(ids) - 1) // BLOCK * BLOCK if tuple(ids) in seen else 0
         seen.add(tuple(ids))
@@ -132,7 +136,7 @@ class FakeBackend:
             await self.send(TextDelta(req_id=req.req_id, text=word, token_ids=[1000 + i],
                                       finish_reason="length" if last else None, num_prompt_tokens=len(ids),
                                       num_cached_tokens=cached, num_output_tokens=out, logprobs=lp))
-            if "SLOW" in text:
+            if "SLOW" in text or "HALFFAIL" in text:
                 await asyncio.sleep(0.05)
 
 

@@ -129,6 +129,9 @@ class Backend:
         await self._scheduler.put(AbortRequest(req_id=seq_id))
         await self._tokenizers[tokenizer].put(ReleaseRequest(req_id=seq_id))
 
+    async def _release(self, seq_id: str, tokenizer: int) -> None:
+        await self._tokenizers[tokenizer].put(ReleaseRequest(req_id=seq_id))
+
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
         self._pending.add(task)
@@ -171,4 +174,7 @@ class Backend:
         if isinstance(msg, RequestFailed) or msg.finish_reason is not None:
             stream.finished.add(msg.req_id)
             del self._streams[msg.req_id]
+        if isinstance(msg, RequestFailed):
+            # Whoever failed it (tokenizer, scheduler) may not be the tokenizer holding its state.
+            self._spawn(self._release(msg.req_id, stream.tokenizer_of[msg.req_id]))
         stream.queue.put_nowait((index, msg))
