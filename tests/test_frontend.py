@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 from collections.abc import Iterator
@@ -22,12 +23,19 @@ def make_config(**server: object) -> StrideConfig:
     return StrideConfig(ipc=ipc, server=ServerConfig(port=0, tokenizer_workers=2, **server))  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def _cleanup(config: StrideConfig) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        remove_run_dir(config.ipc)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     config = make_config()
-    with LiveServer(config) as srv:
+    with _cleanup(config), LiveServer(config) as srv:
         yield srv
-    remove_run_dir(config.ipc)
 
 
 @pytest.fixture
@@ -224,7 +232,7 @@ def test_models_health_metrics(client: openai.OpenAI, server: LiveServer) -> Non
 def test_worker_dead_turns_health_red() -> None:
     from stride.ipc.messages import RequestFailed
     config = make_config()
-    with LiveServer(config) as srv:
+    with LiveServer(config) as srv, _cleanup(config):
         conn, resp, _ = _open_stream(srv.url, {"prompt": "SLOW", "max_tokens": 2000, "stream": True})
         assert raw(srv.url, "GET", "/health")[0] == 200
         dead = RequestFailed(req_id="", status=503, message="rank 0 died", code="worker_dead")
@@ -236,7 +244,6 @@ def test_worker_dead_turns_health_red() -> None:
         assert code == 503 and "rank 0 died" in json.loads(data)["reason"]
         code, headers, _ = raw(srv.url, "POST", "/v1/completions", json.dumps({"prompt": "hi"}))
         assert code == 503 and headers["Retry-After"] == "1"
-    remove_run_dir(config.ipc)
 
 
 def test_tenants_and_api_keys(tmp_path: Path) -> None:
@@ -244,7 +251,7 @@ def test_tenants_and_api_keys(tmp_path: Path) -> None:
     keys.write_text("# key tenant\nkey-a alice\nkey-b   bob  # trailing comment\n\n")
     config = make_config(api_keys_file=str(keys))
     prompt = "a shared system prompt that spans several blocks of sixteen tokens each"
-    with LiveServer(config) as srv:
+    with LiveServer(config) as srv, _cleanup(config):
         def cached(key: str) -> int:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
             r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
@@ -262,4 +269,3 @@ def test_tenants_and_api_keys(tmp_path: Path) -> None:
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
         assert raw(srv.url, "GET", "/health")[0] == 200  # health needs no key
         assert len(srv.fake.generates) == 3  # refused requests never reached the backend
-    remove_run_dir(config.ipc)
