@@ -1,0 +1,168 @@
+"""Paged attention against dense attention, chunked prefill against one-shot, mixed batches against
+sequences run alone (CPU, float32)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stride.workers.attention import AttentionMetadata, TorchPagedAttention
+from stride.workers.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """float64 softmax attention of q (L, H, D) over k/v (S, KVH, D), key j visible to a query at position p
+    when j <= p. Written independently of the backend (repeat KV heads, explicit mask)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
+    mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+
+
+def _paged_case(seed: int, ctx_lens: list[int], q_lens: list[int], block_size: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 6, 2, 32
+    need = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(need) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled, non-contiguous physical blocks
+    tables = torch.full((len(ctx_lens), max(need) + 2), -1, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    full_k = [torch.randn(c, kv_heads, dim, generator=gen) for c in ctx_lens]
+    full_v = [torch.randn(c, kv_heads, dim, generator=gen) for c in ctx_lens]
+    backend = TorchPagedAttention()
+    # Earlier tokens are already cached (written by an earlier "step"); this step writes the last q_lens.
+    prior_q = [c - q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    if any(prior_q):
+        idx = [i for i, p in enumerate(prior_q) if p]
+        pos = torch.cat([torch.arange(prior_q[i]) for i in idx])
+        lens = np.array([prior_q[i] for i in idx])
+        meta = AttentionMetadata.build(pos, lens, lens, tables[idx], block_size)
+        backend.write_kv(torch.cat([full_k[i][: prior_q[i]] for i in idx]),
+                         torch.cat([full_v[i][: prior_q[i]] for i in idx]), k_cache, v_cache, meta)
+    pos = torch.cat([torch.arange(p, c) for p, c in zip(prior_q, ctx_lens, strict=True)])
+    meta = AttentionMetadata.build(pos, np.array(q_lens), np.array(ctx_lens), tables, block_size)
+    backend.write_kv(torch.cat([k[p:] for k, p in zip(full_k, prior_q, strict=True)]),
+                     torch.cat([v[p:] for v, p in zip(full_v, prior_q, strict=True)]), k_cache, v_cache, meta)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    scale = dim**-0.5
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    expected = torch.cat([dense_attention(q[starts[i]:starts[i + 1]], full_k[i], full_v[i],
+                                          pos[starts[i]:starts[i + 1]], scale) for i in range(len(ctx_lens))])
+    return backend, q, k_cache, v_cache, meta, scale, expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_equals_dense_over_shuffled_blocks(seed: int) -> None:
+    # Decodes (q_len 1) up to 64 pages, a prefill chunk on a cached prefix, a fresh prefill, odd lengths.
+    ctx_lens = [1024, 1, 17, 300, 64 * 16 - 5, 40]
+    q_lens = [1, 1, 1, 33, 1, 40]
+    backend, q, k_cache, v_cache, meta, scale, expected = _paged_case(seed, ctx_lens, q_lens)
+    out = backend.attend(q, k_cache, v_cache, meta, scale)
+    assert (out.double() - expected).abs().max().item() <= 1e-5
+
+
+def test_paged_attention_notices_a_wrong_block_table() -> None:
+    # Negative control: one table entry pointing at another sequence's block must change the output.
+    # (Swapping two entries of one table would not: without RoPE, attention over fully visible keys is
+    # order-invariant.)
+    backend, q, k_cache, v_cache, meta, scale, expected = _paged_case(0, [300, 200], [1, 10])
+    tables = meta.block_tables.clone()
+    tables[0, 5] = tables[1, 0]
+    meta.block_tables = tables
+    out = backend.attend(q, k_cache, v_cache, meta, scale)
+    assert (out.double() - expected).abs().max().item() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+    out = make["write_checkpoint"](make["PRESETS"]["tiny-llama"], tmp_path_factory.mktemp("tiny-llama"),
+                                   torch.float32, seed=1)
+    return ModelRunner(str(out), device="cpu", dtype="float32", num_blocks=256, block_size=16)
+
+
+class Pager:
+    """A test stand-in for the scheduler: hands out shuffled blocks and keeps block tables and lengths."""
+
+    def __init__(self, runner: ModelRunner, max_seqs: int = 8, seed: int = 0) -> None:
+        self.runner = runner
+        self.free = np.random.default_rng(seed).permutation(runner.num_blocks).tolist()
+        self.block_tables = np.full((max_seqs, 64), -1, dtype=np.int32)
+        self.lens = [0] * max_seqs
+
+    def share(self, dst: int, src: int, num_blocks: int) -> None:
+        """Point ``dst``'s first blocks at ``src``'s (a prefix-cache hit): ``dst`` skips those tokens."""
+        self.block_tables[dst, :num_blocks] = self.block_tables[src, :num_blocks]
+        self.lens[dst] = num_blocks * self.runner.block_size
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        bs = self.runner.block_size
+        for slot, toks in chunks.items():
+            for b in range(-(-self.lens[slot] // bs), -(-(self.lens[slot] + len(toks)) // bs)):
+                self.block_tables[slot, b] = self.free.pop()
+        slots = list(chunks)
+        token_ids = np.concatenate([np.array(chunks[s], dtype=np.int32) for s in slots])
+        positions = np.concatenate([np.arange(self.lens[s], self.lens[s] + len(chunks[s]), dtype=np.int32)
+                                    for s in slots])
+        q_lens = np.array([len(chunks[s]) for s in slots], dtype=np.int32)
+        for s in slots:
+            self.lens[s] += len(chunks[s])
+        ctx = np.array([self.lens[s] for s in slots], dtype=np.int32)
+        logits = self.runner.forward(token_ids, positions, np.array(slots, dtype=np.int32), q_lens, ctx,
+                                     self.block_tables)
+        return dict(zip(slots, logits, strict=True))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def test_chunked_prefill_equals_one_shot(tiny_llama: ModelRunner) -> None:
+    prompt = _prompt(0, 137)  # crosses the llama3 original context (64), uneven chunks
+    one_shot = Pager(tiny_llama, seed=1).step({0: prompt})[0]
+    pager = Pager(tiny_llama, seed=2)
+    cuts = [0, 1, 9, 16, 17, 40, 64, 65, 100, 128, 137]
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        chunked = pager.step({0: prompt[lo:hi]})[0]
+    assert (chunked - one_shot).abs().max().item() <= 1e-5
+    # Negative control: the same tokens one position later (slot 0 of the cache left unwritten) disagree.
+    wrong = Pager(tiny_llama, seed=3)
+    wrong.block_tables[0, 0] = wrong.free.pop()
+    wrong.lens[0] = 1
+    assert (wrong.step({0: prompt})[0] - one_shot).abs().max().item() > 1e-3
+
+
+def test_mixed_batch_equals_each_sequence_alone(tiny_llama: ModelRunner) -> None:
+    p = {i: _prompt(10 + i, n) for i, n in enumerate([7, 21, 30, 40])}
+    shared = p[1][:16] + _prompt(99, 9)  # starts with seq 1's first full block
+    alone = {i: Pager(tiny_llama, seed=20 + i).step({0: toks})[0] for i, toks in p.items()}
+    alone[4] = Pager(tiny_llama, seed=30).step({0: shared})[0]
+    pager = Pager(tiny_llama, seed=5)
+    pager.step({1: p[1][:-1], 2: p[2][:12]})  # earlier steps: seq 1 prefilled, seq 2 partly
+    pager.step({3: p[3][:16]})
+    pager.share(4, 3, 0)
+    pager.share(4, 1, 1)  # seq 4 reuses seq 1's block 0 in the same step that decodes seq 1
+    out = pager.step({0: p[0], 1: p[1][-1:], 2: p[2][12:], 3: p[3][16:], 4: shared[16:]})
+    for i in range(5):
+        assert (out[i] - alone[i]).abs().max().item() <= 1e-5, f"sequence {i}"
+    # Negative control: sequences differ from each other by far more than the tolerance.
+    assert (alone[0] - alone[1]).abs().max().item() > 1e-2
+
+
+def test_forward_rejects_block_outside_pool(tiny_llama: ModelRunner) -> None:
+    pager = Pager(tiny_llama)
+    pager.block_tables[0, 0] = tiny_llama.num_blocks
+    with pytest.raises(ValueError, match="outside"):
+        tiny_llama.forward(np.array([1, 2], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+                           np.array([2], np.int32), np.array([2], np.int32), pager.block_tables)
