@@ -28,9 +28,10 @@ class Rejection:
         return REJECT_STATUS[self.reason]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Update:
-    """One request's news from one step: new tokens, and the finish reason when it ended."""
+    """One request's news from one step: new tokens, and the finish reason when it ended. (Not frozen:
+    a step makes one per running sequence, and frozen construction costs twice as much.)"""
 
     req_id: str
     token_ids: list[int]

@@ -56,6 +56,7 @@ class Scheduler:
         self._trace = trace
         num_slots = sched_cfg.max_num_seqs
         self._slot_req: list[Request | None] = [None] * num_slots
+        self._slot_req_id: list[str] = [""] * num_slots
         self._free_slots = list(range(num_slots))  # a heap: lowest slot first, so runs are deterministic
         # Freed since the last plan: the next descriptor names them so the worker drops their state
         # before it sees any new sequence in a reused slot.
@@ -183,6 +184,7 @@ class Scheduler:
         req.slot = slot
         req.num_computed_tokens = num_cached
         self._slot_req[slot] = req
+        self._slot_req_id[slot] = req.req_id
         self._running[slot] = True
         self._num_tokens[slot] = len(tokens)
         self._num_computed[slot] = num_cached
@@ -237,14 +239,18 @@ class Scheduler:
         new_len = self._num_tokens[s_slots] + 1
         self._num_tokens[s_slots] = new_len
         self._last_token[s_slots] = toks
-        stop = np.zeros(len(rows), dtype=bool)
+        deadlines = now + self._itl[s_slots]
+        self._deadline[s_slots] = deadlines
+        # 0 = runs on, 1 = stop (EOS), 2 = length; stop token ids are checked per request below.
+        verdict = np.where(new_len >= self._max_len[s_slots], 2, 0)
         if len(self._eos):
-            stop = np.isin(toks, self._eos) & self._stop_on_eos[s_slots]
-        length = new_len >= self._max_len[s_slots]
-        check_ids = self._has_stop_ids[s_slots]
+            verdict[np.isin(toks, self._eos) & self._stop_on_eos[s_slots]] = 1
+        verdict[self._has_stop_ids[s_slots] & (verdict != 1)] = -1
         updates: list[Update] = []
         slot_req = self._slot_req
-        for j, (slot, tok) in enumerate(zip(s_slots.tolist(), toks.tolist(), strict=True)):
+        # One pass of plain Python over lists: per-row numpy scalar access would dominate the step.
+        for slot, tok, dl, nc, v in zip(s_slots.tolist(), toks.tolist(), deadlines.tolist(),
+                                        self._num_computed[s_slots].tolist(), verdict.tolist(), strict=True):
             req = slot_req[slot]
             assert req is not None
             if req.aborted:
@@ -253,17 +259,15 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            req.deadline = now + req.service_class.itl_ms / 1000.0
-            req.num_computed_tokens = int(self._num_computed[slot])
-            reason = None
-            if stop[j] or (check_ids[j] and tok in req.params.stop_token_ids):
-                reason = "stop"
-            elif length[j]:
-                reason = "length"
-            updates.append(Update(req.req_id, [tok], reason, req.num_prompt_tokens, req.num_cached_tokens))
+            req.deadline = dl
+            req.num_computed_tokens = nc
+            if v == -1:
+                v = 1 if tok in req.params.stop_token_ids else (2 if nc + 1 >= req.max_len else 0)
+            reason = None if v == 0 else ("stop" if v == 1 else "length")
+            updates.append(Update(req.req_id, [tok], reason, len(req.prompt_token_ids),
+                                  req.num_cached_tokens))
             if reason is not None:
                 self._finish(req, reason)
-        self._deadline[s_slots] = now + self._itl[s_slots]
         for slot in slots.tolist():  # aborted while in flight: free now that the workers are done
             req = slot_req[slot]
             if req is not None and req.aborted:

@@ -157,8 +157,8 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
     if len(all_slots) == 0:
         return StepPlan(sched._step, [], all_slots, all_slots.copy(), all_slots.copy(),
                         np.zeros(0, dtype=bool), preempted_ids=preempted)
-    slot_req = sched._slot_req
-    req_ids = [r.req_id for r in (slot_req[s] for s in all_slots.tolist()) if r is not None]
+    slot_ids = sched._slot_req_id
+    req_ids = [slot_ids[s] for s in all_slots.tolist()]
     finished, sched._freed_slots = sched._freed_slots, []
     return StepPlan(
         step=sched._step,
