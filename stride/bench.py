@@ -1,0 +1,290 @@
+"""``stride bench``: a load generator for any OpenAI-compatible endpoint.
+
+Sends ``--num-requests`` streaming requests of random word prompts (about ``--input-len`` tokens: common
+English words are one token each in BPE vocabularies) at a Poisson ``--request-rate`` and/or under a
+``--max-concurrency`` cap, each asking for ``--output-len`` tokens (``max_tokens``; ``--ignore-eos`` adds
+the vLLM/Stride extension so the length is reached, for servers that accept it). It times every streamed
+chunk and reports request throughput, output tokens/s, and TTFT, TPOT, ITL and end-to-end latency
+(mean, p50, p90, p99, in ms), as text, as JSON (``--out-json``) and as a PNG plot (``--out-png``).
+
+Output tokens are the server's ``usage.completion_tokens`` when it sends usage in the stream, else the
+count of chunks that carried text. TPOT = (latency − TTFT) / (output tokens − 1); ITL = gaps between chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+WORDS = ("the of and to in is was for on that with as by at from his her are this which be or an had not "
+         "but were have their one all there been has its more when who will would can what out up into "
+         "time only other new some could these two may first then do any like my now over such our man me "
+         "even most made after also did many before must through back years where much your way well down "
+         "should because each just those people how too little state good very make world still own see "
+         "men work long get here between both life being under never day same another know while last "
+         "might us great old year off come since against go came right used take three").split()
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times in seconds from the benchmark start."""
+
+    ok: bool = False
+    error: str = ""
+    prompt_words: int = 0
+    output_tokens: int = 0
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    parser.add_argument("--model", default="", help="model name (default: the first of GET /v1/models)")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions or /v1/chat/completions")
+    parser.add_argument("--api-key", default="", help="sent as a Bearer token")
+    parser.add_argument("--num-requests", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="mean requests/s of Poisson arrivals (default: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=0,
+                        help="requests in flight at most (0: no cap)")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt length in (word) tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="draw lengths uniformly in [len·(1−r), len·(1+r)]")
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/Stride extension)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--out-json", default="", help="write the summary and per-request results here")
+    parser.add_argument("--out-png", default="", help="write latency plots here (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def make_prompts(num: int, input_len: int, output_len: int, range_ratio: float,
+                 seed: int) -> list[tuple[str, int, int]]:
+    """``num`` (prompt, prompt words, max_tokens) triples, the same for the same seed."""
+    rng = random.Random(seed)
+
+    def draw(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    out = []
+    for _ in range(num):
+        words = draw(input_len)
+        out.append((" ".join(rng.choice(WORDS) for _ in range(words)), words, draw(output_len)))
+    return out
+
+
+def _request_body(args: argparse.Namespace, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+                            "stream_options": {"include_usage": True}}
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float,
+                       result: RequestResult) -> None:
+    result.start = time.perf_counter() - t0
+    chunks, usage_tokens, last = 0, 0, 0.0
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for raw in resp.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                if not _chunk_text(chunk):
+                    continue
+                now = time.perf_counter() - t0
+                if chunks == 0:
+                    result.ttft = now - result.start
+                else:
+                    result.itl.append(now - last)
+                last, chunks = now, chunks + 1
+        result.latency = time.perf_counter() - t0 - result.start
+        result.output_tokens = usage_tokens or chunks
+        result.ok = chunks > 0
+        if not result.ok:
+            result.error = "no text in the stream"
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+
+
+async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models") as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return str(data["data"][0]["id"])
+
+
+async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestResult]]:
+    """Run the load described by ``args``; returns the summary and every request's result."""
+    from tqdm import tqdm
+
+    base_url = args.base_url.rstrip("/")
+    url = f"{base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    prompts = make_prompts(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
+    arrivals = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency > 0 else None
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    results = [RequestResult(prompt_words=words) for _, words, _ in prompts]
+    bar = tqdm(total=len(prompts), disable=args.no_progress, desc="requests", file=sys.stderr)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        model = args.model or await _first_model(session, base_url)
+
+        async def send(i: int) -> None:
+            body = _request_body(args, model, prompts[i][0], prompts[i][2])
+            if limit is None:
+                await _one_request(session, url, body, t0, results[i])
+            else:
+                async with limit:
+                    await _one_request(session, url, body, t0, results[i])
+            bar.update(1)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(len(prompts)):
+            tasks.append(asyncio.create_task(send(i)))
+            if math.isfinite(args.request_rate) and i + 1 < len(prompts):
+                await asyncio.sleep(arrivals.expovariate(args.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return summarize(results, duration, model, args), results
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    ms = np.asarray(values) * 1000.0
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {"mean": float(ms.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _tpots(ok: list[RequestResult]) -> list[float]:
+    return [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+
+
+def summarize(results: list[RequestResult], duration: float, model: str,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput and latency percentiles (ms) over the requests that succeeded."""
+    ok = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "model": model, "base_url": args.base_url, "endpoint": args.endpoint,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": output_tokens / duration if duration > 0 else 0.0,
+        "total_output_tokens": output_tokens, "total_input_words": sum(r.prompt_words for r in ok),
+        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(_tpots(ok)),
+        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in ok]),
+    }
+
+
+_METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E"))
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"{s['completed']} requests completed, {s['failed']} failed, in {s['duration_s']:.2f} s",
+             f"request throughput   {s['request_throughput']:.2f} req/s",
+             f"output throughput    {s['output_throughput']:.1f} tok/s",
+             f"{'(ms)':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for key, label in _METRICS:
+        st = s[key]
+        lines.append(f"{label:<20}" + "".join(f"{st[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99")))
+    lines += [f"error: {e}" for e in s["errors"]]
+    return "\n".join(lines)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--out-png needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def write_plot(path: str, results: list[RequestResult], summary: dict[str, Any]) -> None:
+    """Four panels: TTFT, TPOT, ITL histograms and latency against request start time."""
+    plt = _pyplot()
+    ok = [r for r in results if r.ok]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = (("TTFT (ms)", [r.ttft * 1e3 for r in ok]),
+              ("TPOT (ms)", [x * 1e3 for x in _tpots(ok)]),
+              ("ITL (ms)", [x * 1e3 for r in ok for x in r.itl]))
+    for ax, (title, values) in zip(axes.flat, panels, strict=False):
+        ax.hist(values, bins=40)
+        ax.set_title(title)
+    ax = axes.flat[3]
+    ax.scatter([r.start for r in ok], [r.latency * 1e3 for r in ok], s=6)
+    ax.set_title("end-to-end latency (ms) by start time (s)")
+    fig.suptitle(f"{summary['model']}: {summary['request_throughput']:.2f} req/s, "
+                 f"{summary['output_throughput']:.1f} tok/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1 or not args.request_rate > 0:
+        print("stride bench: --num-requests, --input-len, --output-len and --request-rate must be positive",
+              file=sys.stderr)
+        return 2
+    if args.out_png:
+        try:
+            _pyplot()  # fail before the load runs, not after
+        except RuntimeError as e:
+            print(f"stride bench: {e}", file=sys.stderr)
+            return 2
+    try:
+        summary, results = asyncio.run(run_benchmark(args))
+    except aiohttp.ClientError as e:
+        print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f, indent=1)
+    if args.out_png:
+        write_plot(args.out_png, results, summary)
+    return 0 if summary["completed"] else 1

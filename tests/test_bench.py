@@ -1,0 +1,175 @@
+"""`stride bench` against a tiny in-test aiohttp server that streams fake SSE chunks on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from stride import bench
+
+
+class FakeServer:
+    """OpenAI-style streaming server in a background thread. Serves at most ``max_requests`` requests
+    (503 after that) and shuts itself down after ``lifetime_s`` even if nobody stops it."""
+
+    def __init__(self, usage: bool = True, fail_every: int = 0, max_requests: int = 64,
+                 lifetime_s: float = 60.0) -> None:
+        self.usage, self.fail_every = usage, fail_every
+        self.max_requests, self.lifetime_s = max_requests, lifetime_s
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.max_in_flight = 0
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if len(self.bodies) > self.max_requests:
+            return web.json_response({"error": "too many"}, status=503)
+        if self.fail_every and len(self.bodies) % self.fail_every == 0:
+            return web.json_response({"error": "boom"}, status=500)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chat = "messages" in body
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(0.002)
+            choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        self.in_flight -= 1
+        return resp
+
+    async def _main(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        try:
+            await asyncio.wait_for(self._stop.wait(), self.lifetime_s)
+        except TimeoutError:
+            pass
+        finally:
+            await runner.cleanup()
+
+    def __enter__(self) -> FakeServer:
+        self._thread.start()
+        assert self._ready.wait(10), "fake server did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(["--no-progress", *argv])
+
+
+def test_completions_stream_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    with FakeServer() as server:
+        rc = bench.main(_args("--base-url", server.url, "--num-requests", "8", "--max-concurrency", "2",
+                              "--input-len", "20", "--output-len", "5", "--out-json", str(out_json),
+                              "--out-png", str(out_png)))
+    assert rc == 0
+    assert "request throughput" in capsys.readouterr().out
+    assert len(server.bodies) == 8 and server.max_in_flight <= 2
+    for body in server.bodies:
+        assert body["model"] == "fake-model" and body["stream"] is True and body["max_tokens"] == 5
+        assert len(body["prompt"].split()) == 20 and "ignore_eos" not in body
+    data = json.loads(out_json.read_text())
+    s = data["summary"]
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (8, 0, 40)
+    assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+        assert 0 < s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+    assert s["e2e_latency_ms"]["p50"] >= s["ttft_ms"]["p50"]
+    assert sum(len(r["itl"]) for r in data["requests"]) == 8 * 4  # 5 chunks → 4 gaps each
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_concurrency_cap_sends_all_at_once() -> None:
+    # negative control for the cap above: without it the server sees more than 2 in flight
+    with FakeServer() as server:
+        assert bench.main(_args("--base-url", server.url, "--num-requests", "8", "--output-len", "20")) == 0
+    assert server.max_in_flight > 2
+
+
+def test_chat_poisson_and_counting_chunks_without_usage() -> None:
+    with FakeServer(usage=False) as server:
+        args = _args("--base-url", server.url, "--model", "m", "--endpoint", "chat", "--num-requests", "6",
+                     "--request-rate", "500", "--output-len", "3", "--ignore-eos", "--range-ratio", "0.5")
+        summary, results = asyncio.run(bench.run_benchmark(args))
+    assert summary["completed"] == 6
+    assert summary["total_output_tokens"] == sum(b["max_tokens"] for b in server.bodies)
+    assert all(b["messages"][0]["role"] == "user" and b["ignore_eos"] is True for b in server.bodies)
+    assert all(b["model"] == "m" for b in server.bodies)
+    starts = [r.start for r in results]
+    assert starts == sorted(starts) and starts[-1] > starts[0]  # arrivals spread out, in order
+
+
+def test_failures_are_counted_not_hidden() -> None:
+    with FakeServer(fail_every=2) as server:
+        summary, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "6",
+                                                           "--output-len", "2")))
+    assert (summary["completed"], summary["failed"]) == (3, 3)
+    assert any("HTTP 500" in e for e in summary["errors"])
+
+
+def test_prompts_are_deterministic_and_sized() -> None:
+    a = bench.make_prompts(20, 100, 50, 0.2, seed=7)
+    assert a == bench.make_prompts(20, 100, 50, 0.2, seed=7) != bench.make_prompts(20, 100, 50, 0.2, seed=8)
+    for prompt, words, max_tokens in a:
+        assert len(prompt.split()) == words and 80 <= words <= 120 and 40 <= max_tokens <= 60
+
+
+def test_missing_matplotlib_fails_before_the_load(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with FakeServer() as server:
+        rc = bench.main(_args("--base-url", server.url, "--num-requests", "2", "--out-png", "x.png"))
+    assert rc == 2 and "needs matplotlib" in capsys.readouterr().err and server.bodies == []
+
+
+def test_script_wrapper_runs(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+    with FakeServer() as server:
+        proc = subprocess.run([sys.executable, str(script), "--base-url", server.url, "--num-requests", "2",
+                               "--output-len", "2", "--no-progress", "--out-json", str(tmp_path / "b.json")],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "b.json").read_text())["summary"]["completed"] == 2
