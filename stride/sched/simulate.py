@@ -133,31 +133,15 @@ def run_simulation(sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, arrivals:
 
 
 def planner_step_time(model: str, gpu: str, tp: int) -> tuple[StepTimeFn, int]:
-    """Step-time model and vocabulary size for ``model`` on ``tp`` × ``gpu`` from the planner catalog.
-    Uses the planner's :class:`StepCostModel` where present; else a roofline of the same inputs (weights
-    and KV bytes over bandwidth vs FLOPs over rate) plus a fixed overhead."""
+    """Step-time model (the planner's :class:`~stride.planner.cost.StepCostModel`: bytes and FLOPs over
+    the GPU's bandwidth and rate, plus a fixed overhead) and vocabulary size for ``model`` on ``tp`` ×
+    ``gpu`` from the planner catalog."""
+    from stride.planner.cost import StepCostModel
     from stride.planner.geometry import load_geometry
     from stride.planner.hardware import get_gpu
 
     geometry = load_geometry(model)
-    spec = get_gpu(gpu)
-    try:
-        from stride.planner.cost import StepCostModel  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        StepCostModel = None  # noqa: N806 -- the planner's cost model is not in this build
-    if StepCostModel is not None:
-        return StepCostModel(geometry, spec, tp).step_time, geometry.vocab_size
-    weight_bytes = 2 * geometry.params_active / tp
-    kv_bytes = geometry.kv_bytes_per_token() / tp
-    flops_per_token = 2 * geometry.params_active / tp
-    bandwidth, rate = spec.mem_bandwidth, spec.bf16_flops
-
-    def step_time(num_tokens: int, num_seqs: int, context_tokens: int) -> float:
-        memory = (weight_bytes + kv_bytes * context_tokens) / bandwidth
-        compute = flops_per_token * num_tokens / rate
-        return max(memory, compute) + 1.5e-3 + (0.5e-3 if tp > 1 else 0.0)
-
-    return step_time, geometry.vocab_size
+    return StepCostModel(geometry, get_gpu(gpu), tp).step_time, geometry.vocab_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
