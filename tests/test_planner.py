@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -223,5 +224,10 @@ def test_refuses_when_kv_cannot_hold_one_sequence() -> None:
     tight = Deployment(CATALOG["llama-3.1-8b"], get_gpu(mem_gib=17.0))
     p = plan(tight)
     assert p.refused and p.weights_bytes_per_rank < p.usable_bytes_per_rank
-    assert "--kv-dtype fp8" in p.reason or "fewer than one" in p.reason or "no room" in p.reason
+    assert "holds 544 tokens, fewer than one 8192-token sequence" in p.reason  # 17 GiB·0.9 − 15 − 0.28
+    assert "--kv-dtype fp8" in p.reason
+    assert not plan(dataclasses.replace(tight, max_model_len=512)).refused  # a shorter limit fits
     assert not plan(Deployment(CATALOG["llama-3.1-8b"], get_gpu(mem_gib=24.0))).refused
+    # weights fit but the reserve for a huge step leaves nothing
+    huge = plan(dataclasses.replace(tight, max_num_batched_tokens=65536))
+    assert huge.refused and "leave no room for KV cache" in huge.reason
