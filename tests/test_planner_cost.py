@@ -92,3 +92,6 @@ def test_refuses_unknown_rates_and_bad_inputs() -> None:
     with pytest.raises(ValueError):
         model.step_time(2, 3, 10)  # more sequences than tokens
     assert isinstance(model.step_cost(1, 1, 0), StepCost)
+    assert model.step_time(0, 0, 0) == model.overhead_s  # an empty step
+    with pytest.raises(ValueError):
+        model.step_time(-1, 0, 0)

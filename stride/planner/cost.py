@@ -106,10 +106,13 @@ class StepCostModel:
 
     def step_cost(self, num_tokens: int, num_seqs: int, context_tokens: int) -> StepCost:
         """Cost of a step running ``num_tokens`` new tokens of ``num_seqs`` sequences that together attend
-        to ``context_tokens`` keys (cached context plus this step's tokens)."""
-        if num_tokens < 1 or not 1 <= num_seqs <= num_tokens or context_tokens < 0:
-            raise ValueError(f"need num_tokens >= num_seqs >= 1 and context_tokens >= 0, got "
+        to ``context_tokens`` keys (cached context plus this step's tokens). A step of no tokens costs the
+        overhead alone."""
+        if num_tokens < 0 or context_tokens < 0 or not min(1, num_tokens) <= num_seqs <= num_tokens:
+            raise ValueError(f"need num_tokens >= num_seqs >= 1 (or both 0) and context_tokens >= 0, got "
                              f"{num_tokens}, {num_seqs}, {context_tokens}")
+        if num_tokens == 0:  # an empty step still pays its fixed overhead
+            return StepCost(0.0, 0.0, 0.0, 0.0, self.overhead_s)
         g = self.geometry
         context_tokens = max(context_tokens, num_tokens)  # a sequence attends at least to its new tokens
         weight_bytes = float(self._other_bytes)
