@@ -1,0 +1,201 @@
+"""Per-kernel tuning specs for :mod:`kernels.autotune`, and the broken variants its gate must reject."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from kernels import paged_attention as pa
+from kernels import rmsnorm as rn
+from kernels import w4a16 as wq
+from kernels._util import next_pow2
+from kernels.autotune import Candidate, KernelSpec, Problem
+
+# ---- paged decode attention ----
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    context_len: int
+    """Longest context in the batch; the gate mixes shorter, ragged ones in."""
+    dtype: torch.dtype = torch.bfloat16
+
+
+def make_paged_problem(
+    context_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int, dtype: torch.dtype, gen: torch.Generator, device: torch.device,
+) -> Problem:
+    """Random caches with each sequence's blocks scattered over a shuffled pool, -1 past each table's end."""
+    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks full of noise that nobody may read
+    max_blocks = max(blocks_per_seq) + 1
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = perm[used:used + nb]
+        used += nb
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "q": torch.randn((sum(query_lens), num_heads, head_dim), generator=gen).to(dtype).to(device),
+        "k_cache": torch.randn(cache_shape, generator=gen).to(dtype).to(device),
+        "v_cache": torch.randn(cache_shape, generator=gen).to(dtype).to(device),
+        "block_tables": block_tables.to(device),
+        "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
+        "cu_query_lens": cu.to(device),
+        "max_query_len": max(query_lens),
+        "scale": head_dim ** -0.5,
+    }
+
+
+def _decode_problem(shape: DecodeShape, gen: torch.Generator, device: torch.device) -> Problem:
+    lens = torch.randint(1, shape.context_len + 1, (shape.num_seqs,), generator=gen).tolist()
+    lens[0] = shape.context_len
+    return make_paged_problem(lens, [1] * shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                              shape.block_size, shape.dtype, gen, device)
+
+
+def _decode_gate_shapes(shape: DecodeShape) -> list[DecodeShape]:
+    bs = shape.block_size
+    edges = {1, 2, bs - 1, bs, bs + 1, 123, shape.context_len}
+    return [dataclasses.replace(shape, num_seqs=max(3, min(shape.num_seqs, 8)), context_len=c)
+            for c in sorted(e for e in edges if 1 <= e <= shape.context_len)] + [shape]
+
+
+def _decode_run(cfg: pa.DecodeConfig, p: Problem) -> torch.Tensor:
+    return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+                           p["scale"], max_context_len=int(p["context_lens"].max()), config=cfg)
+
+
+def _decode_reference(p: Problem) -> torch.Tensor:
+    return pa.paged_decode_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+                                     p["scale"])
+
+
+def _decode_space(shape: DecodeShape) -> list[pa.DecodeConfig]:
+    parts = [0] + [p for p in (128, 256, 512, 1024, 2048) if p < shape.context_len]
+    return [pa.DecodeConfig(block_n=bn, partition=part, num_warps=w, num_stages=st)
+            for bn in (32, 64) for part in parts for w in (2, 4) for st in (2, 3)]
+
+
+PAGED_DECODE = KernelSpec(
+    name="paged_decode", config_type=pa.DecodeConfig, space=_decode_space, gate_shapes=_decode_gate_shapes,
+    make_problem=_decode_problem, run=_decode_run, reference=_decode_reference,
+    cost=lambda cfg, s: float(pa.workspace_bytes(s.num_seqs, s.num_heads, s.head_dim, s.context_len, cfg)),
+    bucket=lambda s: (f"b{next_pow2(s.num_seqs)}-ctx{next_pow2(s.context_len)}-h{s.num_heads}"
+                      f"-kv{s.num_kv_heads}-d{s.head_dim}-p{s.block_size}-{str(s.dtype)[6:]}"),
+)
+
+# ---- W4A16 GEMM ----
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    m: int
+    n: int
+    k: int
+    group_size: int = 32
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) -> Problem:
+    return {"x": torch.randn((shape.m, shape.k), generator=gen).to(shape.dtype).to(device),
+            "w": wq.random_weight(shape.n, shape.k, shape.group_size, device=device, generator=gen)}
+
+
+def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
+    return [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
+            for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8) for w in (4,) for st in (3, 4)
+            if shape.k // (sk * bk) >= 1]
+
+
+def _gemm_gate_shapes(shape: GemmShape) -> list[GemmShape]:
+    small = [dataclasses.replace(shape, m=m, n=n, k=k)
+             for m, n, k in ((1, 40, 256), (5, 123, 384), (3, 77, shape.group_size * 13))]
+    return small + [shape]
+
+
+W4A16 = KernelSpec(
+    name="w4a16", config_type=wq.W4A16Config, space=_gemm_space, gate_shapes=_gemm_gate_shapes,
+    make_problem=_gemm_problem, run=lambda cfg, p: wq.w4a16_matmul(p["x"], p["w"], cfg),
+    reference=lambda p: wq.w4a16_reference(p["x"], p["w"]),
+    cost=lambda cfg, s: float(wq.workspace_bytes(s.m, s.n, cfg)),
+    bucket=lambda s: f"m{next_pow2(s.m)}-n{s.n}-k{s.k}-g{s.group_size}-{str(s.dtype)[6:]}",
+)
+
+# ---- RMSNorm ----
+
+
+@dataclass(frozen=True)
+class NormShape:
+    num_rows: int
+    hidden: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _norm_problem(shape: NormShape, gen: torch.Generator, device: torch.device) -> Problem:
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen).to(shape.dtype).to(device)
+
+    return {"x": rand(shape.num_rows, shape.hidden), "residual": rand(shape.num_rows, shape.hidden),
+            "weight": rand(shape.hidden), "eps": 1e-5}
+
+
+def _norm_out(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([out[0], out[1]], dim=1)  # both outputs are checked
+
+
+RMSNORM = KernelSpec(
+    name="rmsnorm", config_type=rn.RMSNormConfig,
+    space=lambda s: [rn.RMSNormConfig(rows, w) for rows in (1, 2, 4) for w in (1, 2, 4, 8, 16)
+                     if w * 32 <= max(32, next_pow2(s.hidden))],
+    gate_shapes=lambda s: [dataclasses.replace(s, num_rows=r, hidden=h)
+                           for r, h in ((1, 5), (5, 123), (7, s.hidden))] + [s],
+    make_problem=_norm_problem,
+    run=lambda cfg, p: _norm_out(rn.rmsnorm(p["x"], p["weight"], p["eps"], p["residual"], cfg)),
+    reference=lambda p: _norm_out(rn.rmsnorm_reference(p["x"], p["weight"], p["eps"], p["residual"])),
+    # Register proxy: row elements each thread holds, times rows in flight.
+    cost=lambda cfg, s: float(next_pow2(s.hidden) // (32 * cfg.num_warps) * cfg.rows_per_program),
+    bucket=lambda s: f"rows{next_pow2(s.num_rows)}-h{s.hidden}-{str(s.dtype)[6:]}",
+)
+
+# ---- negative controls: broken variants the gate must reject ----
+
+
+def broken_off_by_one_mask(cfg: pa.DecodeConfig | None = None) -> Candidate:
+    """Decode whose key mask stops one short (``<`` where ``<=`` was meant): the last key is dropped."""
+    def run(p: Problem) -> torch.Tensor:
+        short = p["context_lens"] - 1
+        return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], short, p["scale"],
+                               max_context_len=int(p["context_lens"].max()), config=cfg)
+    return Candidate("broken:off_by_one_mask", run, cfg)
+
+
+def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
+    """Decode reading the block table with a row stride one short (as if it were max_blocks - 1 wide).
+
+    Unused (-1) entries are clamped to block 0 first so the broken variant stays memory-safe on a GPU.
+    """
+    def run(p: Problem) -> torch.Tensor:
+        bt = p["block_tables"].clamp(min=0).contiguous()
+        bad = bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
+        return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], bad, p["context_lens"], p["scale"],
+                               max_context_len=int(p["context_lens"].max()), config=cfg)
+    return Candidate("broken:block_table_stride", run, cfg)
+
+
+def broken_dropped_scale(cfg: wq.W4A16Config | None = None) -> Candidate:
+    """W4A16 that forgets the per-group scale (codes + mins only)."""
+    def run(p: Problem) -> torch.Tensor:
+        w = p["w"]
+        return wq.w4a16_matmul(p["x"], wq.W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins,
+                                                      w.group_size), cfg)
+    return Candidate("broken:dropped_scale", run, cfg)

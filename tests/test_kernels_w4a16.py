@@ -1,0 +1,123 @@
+"""W4A16 GEMM against dequantise-then-matmul, and GGUF Q4_0/Q4_1 repacking.
+
+On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing ``kernels``).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.w4a16 import (
+    W4A16Config,
+    W4A16Weight,
+    dequantize,
+    from_gguf_q4,
+    pack_codes,
+    random_weight,
+    w4a16_matmul,
+    w4a16_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 256), (5, 123, 384), (16, 64, 32 * 13)])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = random_weight(n, k, device=DEVICE, generator=gen)
+    x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
+    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=128, split_k=split_k))
+    ref = w4a16_reference(x, w)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert _rel_err(out, ref) <= tol
+    # Negative control: the same codes without their scales are a different matrix.
+    unscaled = W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins, w.group_size)
+    assert _rel_err(out, w4a16_reference(x, unscaled)) > 0.1
+
+
+def test_pack_codes_layout():
+    codes = torch.randint(0, 16, (3, 16))
+    packed = pack_codes(codes)
+    assert packed.shape == (2, 3) and packed.dtype == torch.int32
+    word = packed[1, 2].item() & 0xFFFFFFFF
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[2, 8:16].tolist()
+    w = W4A16Weight(packed, torch.ones(1, 3, dtype=torch.float16), torch.zeros(1, 3, dtype=torch.float16), 16)
+    torch.testing.assert_close(dequantize(w), codes.float())
+
+
+def _gguf_blocks_by_spec(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Quantise like ggml's reference (round-to-nearest) and lay the bytes out per the GGUF block spec."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    out = []
+    for row in blocks.reshape(-1, 32):
+        if qtype == "Q4_0":
+            amax = row[np.argmax(np.abs(row))]
+            d = np.float16(amax / -8)
+            scaled = np.round(row / np.float32(d) + 8) if d else np.full(32, 8)
+            codes = np.clip(scaled, 0, 15).astype(np.uint8)
+            head = np.array([d], dtype=np.float16).view(np.uint8)
+        else:
+            lo, hi = row.min(), row.max()
+            d = np.float16((hi - lo) / 15)
+            scaled = np.round((row - lo) / np.float32(d)) if d else np.zeros(32)
+            codes = np.clip(scaled, 0, 15).astype(np.uint8)
+            head = np.array([d, np.float16(lo)], dtype=np.float16).view(np.uint8)
+        qs = codes[:16] | (codes[16:] << 4)
+        out.append(np.concatenate([head, qs]))
+    return np.stack(out).reshape(n, -1)
+
+
+def _dequant_by_spec(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    bpb = 18 if qtype == "Q4_0" else 20
+    blocks = raw.reshape(n * k // 32, bpb)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, bpb - 16:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.float32)
+    if qtype == "Q4_0":
+        vals = d * (codes - 8)
+    else:
+        vals = d * codes + blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return vals.reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_from_gguf_q4_matches_block_spec(qtype):
+    rng = np.random.default_rng(0)
+    n, k = 7, 96
+    raw = _gguf_blocks_by_spec(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+    w = from_gguf_q4(raw, qtype, (n, k))
+    np.testing.assert_array_equal(dequantize(w).numpy(), _dequant_by_spec(raw, qtype, n, k))
+    # Negative control: reading Q4_1 bytes as Q4_0 (or the reverse) cannot work.
+    other = "Q4_1" if qtype == "Q4_0" else "Q4_0"
+    with pytest.raises(ValueError):
+        from_gguf_q4(raw, other, (n, k))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_from_gguf_q4_matches_gguf_package_and_kernel(qtype):
+    gguf = pytest.importorskip("gguf")
+    gtype = getattr(gguf.GGMLQuantizationType, qtype)
+    w_f32 = np.random.default_rng(1).standard_normal((48, 256)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w_f32, gtype)
+    w = from_gguf_q4(raw, qtype, (48, 256))
+    np.testing.assert_array_equal(dequantize(w).numpy(), gguf.quants.dequantize(raw, gtype))
+    w = W4A16Weight(w.qweight.to(DEVICE), w.scales.to(DEVICE), w.mins.to(DEVICE), w.group_size)
+    x = torch.randn(3, 256).to(DEVICE)
+    ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, gtype)).to(DEVICE).t()
+    assert _rel_err(w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=128)), ref) <= 1e-5
+
+
+def test_w4a16_launcher_rejects_bad_inputs():
+    w = random_weight(32, 64, device=DEVICE)
+    with pytest.raises(AssertionError):
+        w4a16_matmul(torch.randn(2, 63, device=DEVICE), w)
+    with pytest.raises(AssertionError):
+        w4a16_matmul(torch.randn(2, 64, device=DEVICE),
+                     W4A16Weight(w.qweight, w.scales[:1], w.mins[:1], w.group_size))
