@@ -1,0 +1,1 @@
+"""Tokenizer pool logic: loading, chat templates, incremental detokenization, stop strings."""
