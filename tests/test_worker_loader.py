@@ -1,0 +1,169 @@
+"""Loading: GGUF (llama.cpp's Q/K permutation undone, quantised types dequantised) gives the same model as
+the HF checkpoint it was converted from; missing or unknown tensors are refused; progress is reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import runpy
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stride.workers import loader
+from stride.workers.loader import load_model, read_model_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (rotate-half rows → interleaved pairs), written out independently."""
+    out = np.empty_like(w)
+    head_dim = w.shape[0] // num_heads
+    for h in range(num_heads):
+        for i in range(head_dim // 2):
+            out[h * head_dim + 2 * i] = w[h * head_dim + i]
+            out[h * head_dim + 2 * i + 1] = w[h * head_dim + head_dim // 2 + i]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+    cfg = dict(make["PRESETS"]["tiny-llama"], rope_scaling=None)  # GGUF has no llama3 parameters
+    return make["write_checkpoint"](cfg, tmp_path_factory.mktemp("hf"), torch.float32, seed=5)
+
+
+def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
+    """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised 2-D)."""
+    cfg = json.loads((hf / "config.json").read_text())
+    weights = load_file(str(hf / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    names = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+    for name, t in weights.items():
+        a = t.numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            kind = names[rest.removesuffix(".weight")]
+            if kind == "attn_q":
+                a = llama_cpp_permute(a, cfg["num_attention_heads"])
+            elif kind == "attn_k":
+                a = llama_cpp_permute(a, cfg["num_key_value_heads"])
+            gname = f"blk.{layer}.{kind}.weight"
+        else:
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
+        if a.ndim == 2 and qtype != "F32":
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    from stride.workers.attention import AttentionContext, AttentionMetadata, TorchPagedAttention
+    from stride.workers.kv_cache import KVCache
+
+    cache = KVCache(model.args, 8, 16, "cpu", torch.float32)  # type: ignore[arg-type]
+    n = len(ids)
+    meta = AttentionMetadata.build(
+        torch.arange(n), np.array([n]), np.array([n]), torch.arange(8, dtype=torch.int32)[None], 16
+    )
+    with torch.inference_mode():
+        hidden = model(
+            torch.tensor(ids),
+            torch.arange(n),
+            AttentionContext(meta, TorchPagedAttention(), cache.k_caches, cache.v_caches),
+        )
+        return model.compute_logits(hidden)  # type: ignore[operator]
+
+
+IDS = list(range(3, 90, 2))
+
+
+def test_gguf_f32_equals_hf_checkpoint(hf_dir: Path, tmp_path: Path) -> None:
+    path = write_gguf(hf_dir, tmp_path / "m.gguf")
+    from_gguf, from_hf = read_model_args(str(path)), read_model_args(str(hf_dir))
+    # GGUF keeps eps as float32 and, here, no tokenizer ids; everything else must agree.
+    assert from_gguf == dataclasses.replace(
+        from_hf, rms_norm_eps=from_gguf.rms_norm_eps, bos_token_id=None, eos_token_ids=()
+    )
+    ref = _logits(load_model(str(hf_dir)), IDS)
+    assert (_logits(load_model(str(path)), IDS) - ref).abs().max().item() <= 1e-5
+
+
+def test_gguf_without_unpermute_differs(
+    hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Negative control: skipping the un-permutation loads a different (wrong) model.
+    path = write_gguf(hf_dir, tmp_path / "m.gguf")
+    ref = _logits(load_model(str(hf_dir)), IDS)
+    monkeypatch.setattr(loader, "unpermute_qk", lambda w, n: w)
+    assert (_logits(load_model(str(path)), IDS) - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_quantised_types_dequantise(hf_dir: Path, tmp_path: Path, qtype: str) -> None:
+    path = write_gguf(hf_dir, tmp_path / f"m-{qtype}.gguf", qtype)
+    model = load_model(str(path))
+    w = load_file(str(hf_dir / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
+    expected = gguf.quants.dequantize(
+        gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype]), gguf.GGMLQuantizationType[qtype]
+    )
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, torch.from_numpy(expected).float())
+    err = (model.layers[1].mlp.down_proj.weight - w).abs().max().item()
+    assert 0 < err < {"F16": 1e-4, "BF16": 1e-3, "Q8_0": 1e-3}.get(qtype, 2e-2)
+
+
+def test_missing_and_unknown_tensors_are_refused(hf_dir: Path, tmp_path: Path) -> None:
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json"):
+        (tmp_path / f).write_text((hf_dir / f).read_text())
+    save_file(
+        {k: v for k, v in weights.items() if "layers.2.mlp.up_proj" not in k},
+        str(tmp_path / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="not in the checkpoint"):
+        load_model(str(tmp_path))
+    save_file(
+        {**weights, "model.layers.0.mlp.extra.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors")
+    )
+    with pytest.raises(KeyError, match="no place"):
+        load_model(str(tmp_path))
+
+
+def test_progress_callback_and_tied_embeddings(hf_dir: Path, tmp_path: Path) -> None:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    save_file(
+        {k: v for k, v in weights.items() if k != "lm_head.weight"}, str(tmp_path / "model.safetensors")
+    )
+    seen: list[float] = []
+    model = load_model(str(tmp_path), progress=lambda msg, frac: seen.append(frac))
+    assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == len(weights) - 1
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, weights["model.embed_tokens.weight"])
