@@ -16,6 +16,18 @@ from kernels.autotune import Candidate, KernelSpec, Problem
 # ---- paged decode attention ----
 
 
+def _seed(gen: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=gen))
+
+
+def _randn(size: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device,
+           ) -> torch.Tensor:
+    # Large tensors are drawn on the device (a CPU draw of a GPU-sized cache takes seconds per problem).
+    dev_gen = torch.Generator(device=device)
+    dev_gen.manual_seed(_seed(gen))
+    return torch.randn(size, generator=dev_gen, device=device, dtype=torch.float32).to(dtype)
+
+
 @dataclass(frozen=True)
 class DecodeShape:
     num_seqs: int
@@ -45,9 +57,9 @@ def make_paged_problem(
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     return {
-        "q": torch.randn((sum(query_lens), num_heads, head_dim), generator=gen).to(dtype).to(device),
-        "k_cache": torch.randn(cache_shape, generator=gen).to(dtype).to(device),
-        "v_cache": torch.randn(cache_shape, generator=gen).to(dtype).to(device),
+        "q": _randn((sum(query_lens), num_heads, head_dim), dtype, gen, device),
+        "k_cache": _randn(cache_shape, dtype, gen, device),
+        "v_cache": _randn(cache_shape, dtype, gen, device),
         "block_tables": block_tables.to(device),
         "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
         "cu_query_lens": cu.to(device),
@@ -107,8 +119,8 @@ class GemmShape:
 
 
 def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) -> Problem:
-    return {"x": torch.randn((shape.m, shape.k), generator=gen).to(shape.dtype).to(device),
-            "w": wq.random_weight(shape.n, shape.k, shape.group_size, device=device, generator=gen)}
+    return {"x": _randn((shape.m, shape.k), shape.dtype, gen, device),
+            "w": wq.random_weight(shape.n, shape.k, shape.group_size, device=device, seed=_seed(gen))}
 
 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
@@ -143,7 +155,7 @@ class NormShape:
 
 def _norm_problem(shape: NormShape, gen: torch.Generator, device: torch.device) -> Problem:
     def rand(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=gen).to(shape.dtype).to(device)
+        return _randn(size, shape.dtype, gen, device)
 
     return {"x": rand(shape.num_rows, shape.hidden), "residual": rand(shape.num_rows, shape.hidden),
             "weight": rand(shape.hidden), "eps": 1e-5}

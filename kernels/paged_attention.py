@@ -57,26 +57,26 @@ def default_decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int
 def _decode_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr,
-    qk_scale, num_splits,
+    qk_scale, num_splits, partition,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt,
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
-    start = split * PARTITION
+    start = split * partition
     if start >= ctx:
         return
     end = ctx
     if SPLIT:
-        end = tl.minimum(start + PARTITION, ctx)
+        end = tl.minimum(start + partition, ctx)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g
@@ -122,8 +122,8 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr,
-    num_heads, num_splits, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr, BLOCK_S: tl.constexpr,
+    num_heads, num_splits, partition, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -131,7 +131,7 @@ def _decode_reduce_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     # Splits past the context were never written: mask them by the context, not by what memory holds.
-    s_mask = (offs_s < num_splits) & (offs_s * PARTITION < ctx)
+    s_mask = (offs_s < num_splits) & (offs_s * partition < ctx)
     row = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
@@ -207,19 +207,19 @@ def paged_decode(
     block_d = max(16, next_pow2(head_dim))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, context_lens,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, cfg.partition if split else max_context_len,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=cfg.block_n, PARTITION=cfg.partition if split else 1, SPLIT=split,
+        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split,
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_m, part_l, context_lens, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, PARTITION=cfg.partition, BLOCK_S=next_pow2(num_splits),
+            out, part_acc, part_m, part_l, context_lens, num_heads, num_splits, cfg.partition,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
             num_warps=4,
         )
     return out

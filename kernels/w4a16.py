@@ -67,7 +67,7 @@ def _w4a16_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,10 +100,10 @@ def _w4a16_kernel(
             acc += dot(x, w, DOT_PRECISION, DOT_UPCAST)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def check_weight(w: W4A16Weight) -> None:
@@ -142,7 +142,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         x, w.qweight, w.scales, w.mins, out, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ATOMIC=split_k > 1, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out.to(x.dtype) if split_k > 1 else out
 
@@ -208,11 +208,12 @@ def from_gguf_q4(raw: np.ndarray | torch.Tensor, qtype: str, shape: tuple[int, i
 
 def random_weight(
     n: int, k: int, group_size: int = 32, device: str | torch.device = "cpu",
-    scale_dtype: torch.dtype = torch.float16, generator: torch.Generator | None = None,
+    scale_dtype: torch.dtype = torch.float16, seed: int = 0,
 ) -> W4A16Weight:
-    """Random codes, scales and mins with the magnitudes of a real checkpoint (|W| ~ 0.02)."""
-    codes = torch.randint(0, 16, (n, k), generator=generator)
-    scales = torch.rand((k // group_size, n), generator=generator) * 0.004 + 0.001
-    mins = -8 * scales + torch.randn((k // group_size, n), generator=generator) * 0.001
-    return W4A16Weight(pack_codes(codes).to(device), scales.to(scale_dtype).to(device),
-                       mins.to(scale_dtype).to(device), group_size)
+    """Random codes, scales and mins with the magnitudes of a real checkpoint (|W| ~ 0.02), made on device."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, device=device)
+    scales = torch.rand((k // group_size, n), generator=gen, device=device) * 0.004 + 0.001
+    mins = -8 * scales + torch.randn((k // group_size, n), generator=gen, device=device) * 0.001
+    return W4A16Weight(pack_codes(codes), scales.to(scale_dtype), mins.to(scale_dtype), group_size)

@@ -1,0 +1,98 @@
+"""GPU-only kernel checks at model-sized shapes (Llama-3.1-8B heads and projections), compiled."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import paged_attention as pa
+from kernels.autotune import compare, gate
+from kernels.autotune_specs import (
+    PAGED_DECODE,
+    W4A16,
+    DecodeShape,
+    GemmShape,
+    broken_block_table_stride,
+    broken_dropped_scale,
+    broken_off_by_one_mask,
+    make_paged_problem,
+)
+from kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.w4a16 import W4A16Config, dequantize, random_weight, w4a16_matmul
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda")
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def _problem(context_lens, query_lens, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return make_paged_problem(context_lens, query_lens, HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, gen, CUDA)
+
+
+CONFIGS = [None, pa.DecodeConfig(64, 0), pa.DecodeConfig(32, 128), pa.DecodeConfig(64, 256, 8)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_decode_up_to_64_pages(dtype, tol, cfg):
+    lens = [1, 15, 16, 17, 333, 1000, 1023, 64 * PAGE]
+    p = _problem(lens, [1] * len(lens), dtype, seed=len(str(cfg)))
+    out = pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+                          p["scale"], config=cfg)
+    ref = pa.paged_decode_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
+                                    p["block_tables"], p["context_lens"], p["scale"])
+    assert (out.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_extend_matches_reference_and_chunks_equal_one_shot(dtype, tol):
+    total = 64 * PAGE - 5
+    p = _problem([total, 300, 77], [total, 45, 1], dtype, seed=3)
+    ref = pa.paged_extend_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
+                                    p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"])
+    out = pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+                          p["context_lens"], p["scale"])
+    assert (out.double() - ref).abs().max().item() <= tol
+    one_shot = out[:total]
+    pieces, done = [], 0
+    for n in (1, 100, 255, 256, total - 612):
+        done += n
+        cu = torch.tensor([0, n], dtype=torch.int32, device=CUDA)
+        ctx = torch.tensor([done], dtype=torch.int32, device=CUDA)
+        pieces.append(pa.paged_extend(p["q"][done - n:done], p["k_cache"], p["v_cache"],
+                                      p["block_tables"][:1], cu, ctx, p["scale"]))
+    assert done == total
+    chunk_err = (torch.cat(pieces).double() - one_shot.double()).abs().max().item()
+    assert chunk_err <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_w4a16_at_8b_shapes(m, n, k):
+    w = random_weight(n, k, device=CUDA, seed=m)
+    x = torch.randn(m, k, device=CUDA).bfloat16()
+    ref = x.float() @ dequantize(w).t()
+    for cfg in (None, W4A16Config(block_n=128, block_k=128, split_k=1), W4A16Config(block_n=64, split_k=4)):
+        out = w4a16_matmul(x, w, cfg)
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def test_rmsnorm_at_model_width():
+    x, r = torch.randn(2, 333, 4096, device=CUDA).bfloat16().unbind(0)
+    w = torch.randn(4096, device=CUDA).bfloat16()
+    out, h = rmsnorm(x, w, 1e-5, r)
+    ref, ref_h = rmsnorm_reference(x, w, 1e-5, r)
+    assert compare(out, ref).ok and torch.equal(h, ref_h)
+
+
+def test_gate_rejects_broken_variants_when_compiled():
+    shape = DecodeShape(8, HEADS, KV_HEADS, HEAD_DIM, PAGE, 700, torch.bfloat16)
+    for cfg in (pa.DecodeConfig(64, 0), pa.DecodeConfig(64, 128)):
+        assert gate(PAGED_DECODE, PAGED_DECODE.candidate(cfg), shape, CUDA).ok
+        assert not gate(PAGED_DECODE, broken_off_by_one_mask(cfg), shape, CUDA).ok
+        assert not gate(PAGED_DECODE, broken_block_table_stride(cfg), shape, CUDA).ok
+    gshape = GemmShape(4, 4096, 4096)
+    assert gate(W4A16, W4A16.candidate(W4A16Config(split_k=2)), gshape, CUDA).ok
+    assert not gate(W4A16, broken_dropped_scale(W4A16Config(split_k=2)), gshape, CUDA).ok
+    assert not gate(W4A16, broken_dropped_scale(), dataclasses.replace(gshape, m=1), CUDA).ok
