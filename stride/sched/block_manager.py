@@ -63,6 +63,7 @@ class BlockManager:
         # Per slot. A slot is occupied iff its seed is not None.
         self._seed: list[bytes | None] = [None] * max_num_seqs
         self._tokens = np.zeros((max_num_seqs, self.max_blocks_per_seq * block_size), dtype=TOKEN_DTYPE)
+        self._token_blocks = self._tokens.reshape(max_num_seqs, self.max_blocks_per_seq, block_size)  # a view
         self._num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self._num_table_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # filled entries of the row
         self._num_hashed = np.zeros(max_num_seqs, dtype=np.int64)  # leading blocks whose address is known
@@ -145,10 +146,30 @@ class BlockManager:
             return
         slots = np.asarray(slots, dtype=np.intp)
         nums = np.asarray(num_computed_tokens, dtype=np.int64)
-        todo = np.nonzero(nums // self.block_size > self._num_hashed[slots])[0]
-        for i in todo.tolist():
-            self._occupied(int(slots[i]))
-            self._index_upto(int(slots[i]), int(nums[i]))
+        num_full, first = nums // self.block_size, self._num_hashed[slots]
+        todo = np.nonzero(num_full > first)[0]
+        if not todo.size:
+            return
+        slots, nums, num_full, first = slots[todo], nums[todo], num_full[todo], first[todo]
+        if (nums > self._num_tokens[slots]).any():  # also catches an empty slot (0 tokens)
+            i = int(np.argmax(nums > self._num_tokens[slots]))
+            raise ValueError(f"slot {int(slots[i])}: {int(nums[i])} computed > "
+                             f"{int(self._num_tokens[slots[i]])} tokens (or the slot is empty)")
+        # The decode case: exactly one block just became full. Gather those blocks' tokens and ids with
+        # two vector reads, then hash in one loop.
+        one = num_full == first + 1
+        one_slots, one_first = slots[one], first[one]
+        if one_slots.size:
+            data = self._token_blocks[one_slots, one_first].tobytes()
+            blocks = self.block_tables[one_slots, one_first].tolist()
+            self._num_hashed[one_slots] = one_first + 1
+            step, last_hash = self.block_size * TOKEN_DTYPE.itemsize, self._last_hash
+            for j, (slot, b) in enumerate(zip(one_slots.tolist(), blocks, strict=True)):
+                h = block_hash(last_hash[slot], data[j * step:(j + 1) * step])
+                self._index_block(slot, b, h)
+                last_hash[slot] = h
+        for slot, n in zip(slots[~one].tolist(), nums[~one].tolist(), strict=True):
+            self._index_upto(slot, n)
 
     def can_append(self, slot: int) -> bool:
         """Whether one more token fits: room in the last block, or a free or evictable block."""
@@ -343,23 +364,26 @@ class BlockManager:
         bs = self.block_size
         first, num_full = int(self._num_hashed[slot]), num_computed_tokens // bs
         self._num_hashed[slot] = num_full
-        index, block_hashes = self._index, self._block_hash
         step = bs * TOKEN_DTYPE.itemsize
         data = self._tokens[slot, first * bs:num_full * bs].tobytes()
         h = self._last_hash[slot]
         for j, b in enumerate(self.block_tables[slot, first:num_full].tolist()):
             h = block_hash(h, data[j * step:(j + 1) * step])
-            known = block_hashes[b]
-            if known is not None:  # shared by a fork and indexed through the other sequence
-                if known != h:
-                    raise AssertionError(f"block {b} has address {known.hex()}, slot {slot} says {h.hex()}")
-            elif h not in index:
-                index[h] = b
-                block_hashes[b] = h
-                self._index_version += 1
-            # else: the same content was computed twice (two requests admitted together); this copy stays
-            # unindexed and goes to the free list when released.
+            self._index_block(slot, b, h)
         self._last_hash[slot] = h
+
+    def _index_block(self, slot: int, b: int, h: bytes) -> None:
+        """Block ``b`` of ``slot`` is computed and has address ``h``: index it unless that content is."""
+        known = self._block_hash[b]
+        if known is not None:  # shared by a fork and indexed through the other sequence
+            if known != h:
+                raise AssertionError(f"block {b} has address {known.hex()}, slot {slot} says {h.hex()}")
+        elif h not in self._index:
+            self._index[h] = b
+            self._block_hash[b] = h
+            self._index_version += 1
+        # else: the same content was computed twice (two requests admitted together); this copy stays
+        # unindexed and goes to the free list when released.
 
     def _drop(self, slot: int) -> None:
         self._occupied(slot)
