@@ -54,7 +54,7 @@ class BlockManager:
         self._free = FreeList(range(num_blocks))
         self._cached = EvictableLRU()
         self._live = LiveSet()
-        self._ref = [0] * num_blocks
+        self._ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: allocate, fork and free touch many at once
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
         self._index_version = 0  # bumped on every index change; guards the can_allocate -> allocate memo
@@ -82,7 +82,7 @@ class BlockManager:
         hits, last_hash = self._match(tenant, tokens)
         # allocate usually follows with the same prompt; a private copy keeps a caller's later edit out.
         self._memo = (tenant, tokens.copy(), self._index_version, hits, last_hash)
-        num_revived = sum(1 for b in hits if self._ref[b] == 0)
+        num_revived = int(np.count_nonzero(self._ref[hits] == 0))
         return need - len(hits) <= self._free.num + self._cached.num - num_revived
 
     def allocate(self, slot: int, tenant: str, token_ids: Sequence[int] | np.ndarray) -> int:
@@ -106,17 +106,17 @@ class BlockManager:
         else:
             hits, last_hash = self._match(tenant, tokens)
         ref = self._ref
-        num_revived = sum(1 for b in hits if ref[b] == 0)
+        revived = [b for b, r in zip(hits, ref[hits].tolist(), strict=True) if r == 0]
+        num_revived = len(revived)
         num_new = need - len(hits)
         if num_new > self._free.num + self._cached.num - num_revived:
             raise NoFreeBlocksError(f"slot {slot}: need {num_new} new blocks, "
                                     f"{self._free.num + self._cached.num - num_revived} available")
         # Revive hits before taking new blocks, or eviction could take a block we are about to reuse.
-        for b in hits:
-            if ref[b] == 0:
-                self._cached.remove(b)
-                self._live.add(b)
-            ref[b] += 1
+        for b in revived:
+            self._cached.remove(b)
+        self._live.add_many(revived)
+        ref[hits] += 1
         new = self._take(num_new)
         self.block_tables[slot, :need] = hits + new
         self._tokens[slot, :n] = tokens
@@ -248,9 +248,7 @@ class BlockManager:
             (dst,) = self._take(1)
             self.block_tables[child_slot, num_full] = dst
             copy = (int(row[num_full]), dst)
-        ref = self._ref
-        for b in row[:num_full].tolist():
-            ref[b] += 1
+        self._ref[row[:num_full]] += 1
         self.block_tables[child_slot, :num_full] = row[:num_full]
         self._tokens[child_slot, :n] = self._tokens[parent_slot, :n]
         self._num_tokens[child_slot] = n
@@ -278,7 +276,7 @@ class BlockManager:
         return self.block_tables[slot, :self._num_table_blocks[slot]].tolist()
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
+        return int(self._ref[block_id])
 
     def eviction_order(self) -> list[int]:
         """Cached blocks, next to be evicted first."""
@@ -341,20 +339,17 @@ class BlockManager:
             raise NoFreeBlocksError(f"need {count} blocks, {self._free.num + self._cached.num} available")
         from_free = min(count, self._free.num)
         out = self._free.pop_many(from_free)
-        for _ in range(count - from_free):
-            b = self._cached.pop_oldest()
-            h = self._block_hash[b]
-            assert h is not None
-            del self._index[h]
-            self._block_hash[b] = None
-            out.append(b)
         if count > from_free:
-            self._num_evictions += count - from_free
+            evicted = self._cached.pop_oldest_many(count - from_free)
+            index, block_hashes = self._index, self._block_hash
+            for b in evicted:
+                del index[block_hashes[b]]  # type: ignore[arg-type]  # a cached block is always indexed
+                block_hashes[b] = None
+            out += evicted
+            self._num_evictions += len(evicted)
             self._index_version += 1
         self._live.add_many(out)
-        ref = self._ref
-        for b in out:
-            ref[b] = 1
+        self._ref[out] = 1
         return out
 
     def _index_upto(self, slot: int, num_computed_tokens: int) -> None:
@@ -389,16 +384,14 @@ class BlockManager:
         self._occupied(slot)
         nb = int(self._num_table_blocks[slot])
         row = self.block_tables[slot]
-        ref, block_hashes = self._ref, self._block_hash
-        for b in reversed(row[:nb].tolist()):  # tail first: evicted before its head
-            r = ref[b] - 1
-            ref[b] = r
-            if r == 0:
-                self._live.remove(b)
-                if block_hashes[b] is not None:
-                    self._cached.push(b)
-                else:
-                    self._free.push(b)
+        blocks = row[:nb][::-1].copy()  # tail first: evicted before its head
+        self._ref[blocks] -= 1  # distinct within a row, so the fancy in-place update is exact
+        gone = blocks[self._ref[blocks] == 0].tolist()
+        if gone:
+            block_hashes = self._block_hash
+            self._live.remove_many(gone)
+            self._cached.push_many([b for b in gone if block_hashes[b] is not None])
+            self._free.push_many([b for b in gone if block_hashes[b] is None])
         row[:nb] = -1
         self._num_tokens[slot] = 0
         self._num_table_blocks[slot] = 0

@@ -30,6 +30,10 @@ class FreeList:
         self._blocks.append(block_id)
         self.num += 1
 
+    def push_many(self, block_ids: list[int]) -> None:
+        self._blocks.extend(block_ids)
+        self.num += len(block_ids)
+
     def pop_many(self, count: int) -> list[int]:
         if count > self.num:
             raise NoFreeBlocksError(f"asked for {count} free blocks, have {self.num}")
@@ -61,14 +65,22 @@ class EvictableLRU:
         self._blocks[block_id] = None
         self.num += 1
 
+    def push_many(self, block_ids: list[int]) -> None:
+        """Push in list order: the first is evicted first."""
+        self._blocks.update(dict.fromkeys(block_ids))
+        self.num += len(block_ids)
+
     def remove(self, block_id: int) -> None:
         del self._blocks[block_id]
         self.num -= 1
 
-    def pop_oldest(self) -> int:
-        block_id, _ = self._blocks.popitem(last=False)
-        self.num -= 1
-        return block_id
+    def pop_oldest_many(self, count: int) -> list[int]:
+        if count > self.num:
+            raise NoFreeBlocksError(f"asked to evict {count} blocks, have {self.num}")
+        pop = self._blocks.popitem
+        out = [pop(last=False)[0] for _ in range(count)]
+        self.num -= count
+        return out
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._blocks
@@ -98,9 +110,9 @@ class LiveSet:
         self._blocks.update(block_ids)
         self.num += len(block_ids)
 
-    def remove(self, block_id: int) -> None:
-        self._blocks.remove(block_id)
-        self.num -= 1
+    def remove_many(self, block_ids: list[int]) -> None:
+        self._blocks.difference_update(block_ids)
+        self.num -= len(block_ids)
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._blocks
