@@ -132,11 +132,12 @@ class BlockManager:
 
     def mark_computed(self, slot: int, num_computed_tokens: int) -> None:
         """Tokens ``[0, num_computed_tokens)`` are scheduled: index every full block inside that range."""
-        self._occupied(slot)
+        # The per-sequence verbs read scalars with .item(): several times cheaper than numpy scalar indexing.
+        if self._seed[slot] is None:
+            raise ValueError(f"slot {slot} is empty")
         if not self.enable_prefix_caching:
             return
-        num_full = num_computed_tokens // self.block_size
-        if num_full > self._num_hashed[slot]:  # else the common decode step: nothing new became full
+        if num_computed_tokens // self.block_size > self._num_hashed.item(slot):  # else: nothing new is full
             self._index_upto(slot, num_computed_tokens)
 
     def mark_computed_many(self, slots: np.ndarray, num_computed_tokens: np.ndarray) -> None:
@@ -173,9 +174,10 @@ class BlockManager:
 
     def can_append(self, slot: int) -> bool:
         """Whether one more token fits: room in the last block, or a free or evictable block."""
-        self._occupied(slot)
-        return (self._num_tokens[slot] < self._num_table_blocks[slot] * self.block_size
-                or self._free.num > 0 or self._cached.num > 0)
+        nb = self._num_table_blocks.item(slot)
+        if nb == 0:
+            raise ValueError(f"slot {slot} is empty")
+        return self._num_tokens.item(slot) < nb * self.block_size or self._free.num + self._cached.num > 0
 
     def num_blocks_to_append(self, slots: np.ndarray) -> int:
         """New blocks that appending one token to each of ``slots`` takes (compare with
@@ -186,13 +188,19 @@ class BlockManager:
 
     def append(self, slot: int, token_id: int) -> None:
         """Record one token at the end of the sequence, taking a new block when the last one is full."""
-        self._occupied(slot)
-        n = int(self._num_tokens[slot])
-        nb = int(self._num_table_blocks[slot])
+        n = self._num_tokens.item(slot)
+        nb = self._num_table_blocks.item(slot)
         if n == nb * self.block_size:
+            if nb == 0:
+                raise ValueError(f"slot {slot} is empty")
             if nb == self.max_blocks_per_seq:
                 raise ValueError(f"slot {slot}: block table row is full ({nb} blocks)")
-            (b,) = self._take(1)
+            if self._free.num:  # the usual case, without _take's list handling
+                b = self._free.pop()
+                self._live.add(b)
+                self._ref[b] = 1
+            else:
+                (b,) = self._take(1)
             self.block_tables[slot, nb] = b
             self._num_table_blocks[slot] = nb + 1
         self._tokens[slot, n] = token_id
@@ -260,8 +268,9 @@ class BlockManager:
 
     # ---- queries ----------------------------------------------------------------------------------
     def num_tokens(self, slot: int) -> int:
-        self._occupied(slot)
-        return int(self._num_tokens[slot])
+        if self._seed[slot] is None:
+            raise ValueError(f"slot {slot} is empty")
+        return self._num_tokens.item(slot)
 
     def is_allocated(self, slot: int) -> bool:
         return self._seed[slot] is not None

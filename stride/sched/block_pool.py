@@ -34,6 +34,11 @@ class FreeList:
         self._blocks.extend(block_ids)
         self.num += len(block_ids)
 
+    def pop(self) -> int:
+        block_id = self._blocks.popleft()  # IndexError when empty, before the count moves
+        self.num -= 1
+        return block_id
+
     def pop_many(self, count: int) -> list[int]:
         if count > self.num:
             raise NoFreeBlocksError(f"asked for {count} free blocks, have {self.num}")
