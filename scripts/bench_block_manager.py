@@ -64,7 +64,7 @@ def run(num_seqs: int, args: argparse.Namespace) -> dict[str, float]:
         if args.api == "batch":
             assert bm.num_blocks_to_append(slots) <= bm.num_available_blocks
             bm.append_many(slots, ids)
-            bm.mark_computed_many(slots, bm._num_tokens[slots])
+            bm.mark_computed_many(slots, bm.num_tokens_per_slot[slots])
         else:
             for slot, token in zip(running, ids.tolist(), strict=True):
                 assert bm.can_append(slot)

@@ -200,7 +200,7 @@ def test_append_many_matches_append() -> None:
             one.mark_computed(s, one.num_tokens(s))
         assert many.num_blocks_to_append(slots) == one.stats.num_live - many.stats.num_live
         many.append_many(slots, ids)
-        many.mark_computed_many(slots, many._num_tokens[slots])
+        many.mark_computed_many(slots, many.num_tokens_per_slot[slots])
         assert one.block_tables.tolist() == many.block_tables.tolist()
         assert one._index == many._index
         many.assert_invariants(deep=True)

@@ -4,8 +4,8 @@ Contract (shared with the scheduler):
 
 - ``block_tables`` is an int32 array ``(max_num_seqs, max_blocks_per_seq)``, in production the shared-memory
   view ``StepBuffers.block_tables``. Rows are sequence slots chosen by the caller; this class alone writes
-  them. Row ``s`` holds ``ceil(num_tokens(s) / block_size)`` physical block ids, then ``-1``. A row only
-  grows while its sequence runs.
+  them (the constructor fills it with ``-1``). Row ``s`` holds ``ceil(num_tokens(s) / block_size)``
+  physical block ids, then ``-1``. A row only grows while its sequence runs.
 - Every block is in exactly one of: **live** (ref count >= 1 = the number of rows holding it), **cached**
   (ref count 0, still indexed by its content address, evictable) or **free** (no content). A cached block
   is never on the free list, so an allocation can never hand out a block the index still points at.
@@ -271,6 +271,13 @@ class BlockManager:
         if self._seed[slot] is None:
             raise ValueError(f"slot {slot} is empty")
         return self._num_tokens.item(slot)
+
+    @property
+    def num_tokens_per_slot(self) -> np.ndarray:
+        """Read-only view of every slot's token count (0 when empty): the batch form of :meth:`num_tokens`."""
+        view = self._num_tokens.view()
+        view.flags.writeable = False
+        return view
 
     def is_allocated(self, slot: int) -> bool:
         return self._seed[slot] is not None
