@@ -18,6 +18,7 @@ once per shape bucket and passes the config to the launcher.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import secrets
@@ -33,6 +34,7 @@ import torch
 from stride import env
 
 Problem = dict[str, Any]
+Output = torch.Tensor | tuple[torch.Tensor, ...]
 Timer = Callable[[Callable[[], object]], float]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -48,7 +50,7 @@ class Candidate:
     """One runnable variant: a real configuration, or a deliberately broken negative control."""
 
     name: str
-    run: Callable[[Problem], torch.Tensor]
+    run: Callable[[Problem], Output]
     config: Any = None
 
 
@@ -61,14 +63,14 @@ class KernelSpec:
     gate_shapes: Callable[[Any], list[Any]]
     """The target shape plus ragged edge shapes derived from it."""
     make_problem: Callable[[Any, torch.Generator, torch.device], Problem]
-    run: Callable[[Any, Problem], torch.Tensor]
-    reference: Callable[[Problem], torch.Tensor]
+    run: Callable[[Any, Problem], Output]
+    reference: Callable[[Problem], Output]
     cost: Callable[[Any, Any], float]
     """Second objective (lower is better), e.g. workspace bytes."""
     bucket: Callable[[Any], str]
 
     def candidate(self, config: Any) -> Candidate:
-        def run(problem: Problem) -> torch.Tensor:
+        def run(problem: Problem) -> Output:
             return self.run(config, problem)
 
         return Candidate(f"{self.name}:{config}", run, config)
@@ -104,7 +106,15 @@ def _poison_allocator(device: torch.device, nbytes: int) -> None:
     torch.full((max(1, nbytes // 4),), float("nan"), dtype=torch.float32, device=device)
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor) -> GateResult:
+def compare(out: Output, ref: Output) -> GateResult:
+    """Every output tensor within the dtype's (atol, rtol) of the reference, and finite."""
+    if isinstance(ref, tuple):
+        if not isinstance(out, tuple) or len(out) != len(ref):
+            return GateResult(False, float("inf"), "output arity differs from the reference")
+        results = [compare(o, r) for o, r in zip(out, ref, strict=True)]
+        bad = [r for r in results if not r.ok]
+        return bad[0] if bad else GateResult(True, max(r.max_err for r in results), "")
+    assert isinstance(out, torch.Tensor)
     if out.shape != ref.shape:
         return GateResult(False, float("inf"), f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
     atol, rtol = TOLERANCES[ref.dtype] if ref.dtype in TOLERANCES else TOLERANCES[torch.float32]
@@ -127,7 +137,7 @@ def gate(
     for gshape in spec.gate_shapes(shape):
         problem = spec.make_problem(gshape, gen, device)
         ref = spec.reference(problem)
-        _poison_allocator(device, ref.numel() * 8)
+        _poison_allocator(device, sum(r.numel() for r in (ref if isinstance(ref, tuple) else (ref,))) * 8)
         try:
             out = candidate.run(problem)
         except (AssertionError, RuntimeError, ValueError) as exc:
@@ -170,24 +180,33 @@ def tune(
     extra_candidates: Sequence[Candidate] = (),
     slack: float = 0.05,
     seed: int | None = None,
+    bench_problems: Sequence[Problem] = (),
 ) -> TuneResult:
-    """Gate, time and choose. ``extra_candidates`` (e.g. negative controls) go through the same gate."""
+    """Gate, time and choose. ``extra_candidates`` (e.g. negative controls) go through the same gate.
+
+    Timing cycles through ``bench_problems`` (default: one random problem of ``shape``); pass several
+    disjoint ones to keep a small shape's data out of L2 between runs.
+    """
     timer = timer or cuda_timer
     gen = torch.Generator(device="cpu")
     gen.manual_seed(secrets.randbits(63) if seed is None else seed)
-    bench_problem = spec.make_problem(shape, gen, device)
+    problems = list(bench_problems) or [spec.make_problem(shape, gen, device)]
     points, rejected = [], {}
     for cand in [*spec.candidates(shape), *extra_candidates]:
         result = gate(spec, cand, shape, device, seed=None if seed is None else seed + 1)
         if not result.ok:
             rejected[cand.name] = result
             continue
-        latency = timer(partial(cand.run, bench_problem))
+        latency = timer(partial(_run_cycling, cand, problems, itertools.count()))
         points.append(Point(cand, latency, spec.cost(cand.config, shape)))
     if not points:
         raise RuntimeError(f"{spec.name}: every candidate failed the gate: {rejected}")
     front = pareto_front(points)
     return TuneResult(choose(front, slack), front, rejected)
+
+
+def _run_cycling(cand: Candidate, problems: Sequence[Problem], counter: itertools.count) -> Output:
+    return cand.run(problems[next(counter) % len(problems)])
 
 
 def default_cache_path() -> Path:
@@ -238,9 +257,10 @@ class AutotuneCache:
 
 
 def tune_and_cache(
-    spec: KernelSpec, shape: Any, device: torch.device, cache: AutotuneCache, timer: Timer | None = None
+    spec: KernelSpec, shape: Any, device: torch.device, cache: AutotuneCache, timer: Timer | None = None,
+    bench_problems: Sequence[Problem] = (),
 ) -> TuneResult:
-    result = tune(spec, shape, device, timer=timer)
+    result = tune(spec, shape, device, timer=timer, bench_problems=bench_problems)
     cache.put(spec, gpu_name(device), spec.bucket(shape), result.chosen)
     cache.save()
     return result

@@ -64,6 +64,7 @@ def make_paged_problem(
         "context_lens": torch.tensor(context_lens, dtype=torch.int32, device=device),
         "cu_query_lens": cu.to(device),
         "max_query_len": max(query_lens),
+        "max_context_len": max(context_lens),
         "scale": head_dim ** -0.5,
     }
 
@@ -84,7 +85,7 @@ def _decode_gate_shapes(shape: DecodeShape) -> list[DecodeShape]:
 
 def _decode_run(cfg: pa.DecodeConfig, p: Problem) -> torch.Tensor:
     return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
-                           p["scale"], max_context_len=int(p["context_lens"].max()), config=cfg)
+                           p["scale"], max_context_len=p["max_context_len"], config=cfg)
 
 
 def _decode_reference(p: Problem) -> torch.Tensor:
@@ -161,10 +162,6 @@ def _norm_problem(shape: NormShape, gen: torch.Generator, device: torch.device) 
             "weight": rand(shape.hidden), "eps": 1e-5}
 
 
-def _norm_out(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([out[0], out[1]], dim=1)  # both outputs are checked
-
-
 RMSNORM = KernelSpec(
     name="rmsnorm", config_type=rn.RMSNormConfig,
     space=lambda s: [rn.RMSNormConfig(rows, w) for rows in (1, 2, 4) for w in (1, 2, 4, 8, 16)
@@ -172,8 +169,9 @@ RMSNORM = KernelSpec(
     gate_shapes=lambda s: [dataclasses.replace(s, num_rows=r, hidden=h)
                            for r, h in ((1, 5), (5, 123), (7, s.hidden))] + [s],
     make_problem=_norm_problem,
-    run=lambda cfg, p: _norm_out(rn.rmsnorm(p["x"], p["weight"], p["eps"], p["residual"], cfg)),
-    reference=lambda p: _norm_out(rn.rmsnorm_reference(p["x"], p["weight"], p["eps"], p["residual"])),
+    # Both outputs, (out, h), are checked.
+    run=lambda cfg, p: rn.rmsnorm(p["x"], p["weight"], p["eps"], p["residual"], cfg),
+    reference=lambda p: rn.rmsnorm_reference(p["x"], p["weight"], p["eps"], p["residual"]),
     # Register proxy: row elements each thread holds, times rows in flight.
     cost=lambda cfg, s: float(next_pow2(s.hidden) // (32 * cfg.num_warps) * cfg.rows_per_program),
     bucket=lambda s: f"rows{next_pow2(s.num_rows)}-h{s.hidden}-{str(s.dtype)[6:]}",
@@ -187,7 +185,7 @@ def broken_off_by_one_mask(cfg: pa.DecodeConfig | None = None) -> Candidate:
     def run(p: Problem) -> torch.Tensor:
         short = p["context_lens"] - 1
         return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], short, p["scale"],
-                               max_context_len=int(p["context_lens"].max()), config=cfg)
+                               max_context_len=p["max_context_len"], config=cfg)
     return Candidate("broken:off_by_one_mask", run, cfg)
 
 
@@ -200,7 +198,7 @@ def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
         bt = p["block_tables"].clamp(min=0).contiguous()
         bad = bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
         return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], bad, p["context_lens"], p["scale"],
-                               max_context_len=int(p["context_lens"].max()), config=cfg)
+                               max_context_len=p["max_context_len"], config=cfg)
     return Candidate("broken:block_table_stride", run, cfg)
 
 

@@ -1,0 +1,213 @@
+"""Benchmark the Triton kernels on a CUDA GPU against the copy bandwidth and bf16 matmul rate of the same run.
+
+Prints a table per kernel and writes every figure to --json. Not a test: nothing here asserts on time.
+Each kernel is autotuned (gate on fresh random inputs, Pareto choice) over a reduced space first; the
+chosen configs land in the STRIDE_AUTOTUNE_CACHE file. Small shapes cycle through several disjoint
+input sets of at least --rotate-mb together, so the figures are HBM, not L2, figures.
+
+    PYTHONPATH=. python3 scripts/bench_kernels.py --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from kernels import autotune as at
+from kernels import autotune_specs as specs
+from kernels import paged_attention as pa
+from kernels import rmsnorm as rn
+from kernels import w4a16 as wq
+from kernels.silu_mul import silu_mul
+
+CUDA = torch.device("cuda")
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # Llama-3.1-8B
+GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def bench_over(fn: Callable[[Any], object], items: list) -> float:
+    """Median ms of ``fn(item)``, taking the items in turn (several disjoint sets defeat the L2)."""
+    counter = itertools.count()
+    return bench_ms(lambda: fn(items[next(counter) % len(items)]))
+
+
+def copies(make: Callable[[int], Any], nbytes: int, rotate_bytes: int) -> list:
+    return [make(i) for i in range(max(1, math.ceil(rotate_bytes / nbytes)))]
+
+
+def ceilings(results: dict) -> None:
+    src = torch.randn(2**29, device=CUDA, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    results["copy_tb_s"] = 2 * src.numel() * 2 / ms / 1e9
+    a, b = (torch.randn(8192, 8192, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    ms = bench_ms(lambda: a @ b)
+    results["matmul_tflop_s"] = 2 * 8192**3 / ms / 1e9
+    print(f"copy {results['copy_tb_s']:.2f} TB/s (read+write), "
+          f"bf16 matmul {results['matmul_tflop_s']:.0f} TFLOP/s")
+
+
+def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator) -> list[dict]:
+    """Disjoint problems over one shuffled block pool, every sequence at exactly ``ctx`` tokens."""
+    per_set = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+    num_sets = max(1, math.ceil(rotate_bytes / per_set))
+    nb = ctx // PAGE
+    pool = specs.make_paged_problem([ctx] * (batch * num_sets), [1] * (batch * num_sets), HEADS, KV_HEADS,
+                                    HEAD_DIM, PAGE, torch.bfloat16, gen, CUDA)
+    sets = []
+    for i in range(num_sets):
+        rows = slice(i * batch, (i + 1) * batch)
+        sets.append({**pool, "q": pool["q"][rows], "context_lens": pool["context_lens"][rows],
+                     "block_tables": pool["block_tables"][rows, :nb].contiguous(), "max_context_len": ctx})
+    return sets
+
+
+def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+    space = lambda s: [pa.DecodeConfig(bn, part, 4, st) for bn in (32, 64) for st in (2, 3)  # noqa: E731
+                       for part in (0, 256, 512, 1024) if part < s.context_len]
+    spec = dataclasses.replace(specs.PAGED_DECODE, space=space)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print("\npaged decode attention, bf16, 32 q / 8 kv heads, head_dim 128, page 16 (bytes = K+V read)")
+    print(f"{'batch':>5} {'ctx':>6} {'default ms':>10} {'TB/s':>6} {'tuned ms':>9} {'TB/s':>6} {'%copy':>6}"
+          "  config")
+    for batch, ctx in itertools.product((1, 16, 64), (1024, 4096, 16384)):
+        sets = decode_sets(batch, ctx, rotate_bytes, gen)
+        nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+        shape = specs.DecodeShape(batch, HEADS, KV_HEADS, HEAD_DIM, PAGE, ctx, torch.bfloat16)
+        default_cfg = pa.default_decode_config(batch, KV_HEADS, ctx)
+        ms_default = bench_over(partial(specs.PAGED_DECODE.run, default_cfg), sets)
+        row = {"batch": batch, "ctx": ctx, "bytes": nbytes, "default_ms": ms_default,
+               "default_config": dataclasses.asdict(default_cfg)}
+        if tune:
+            t0 = time.time()
+            res = at.tune_and_cache(spec, shape, CUDA, cache, timer=bench_ms, bench_problems=sets)
+            row.update(tuned_ms=res.chosen.latency_ms, rejected=len(res.rejected), front=len(res.front),
+                       tuned_config=dataclasses.asdict(res.chosen.candidate.config), tune_s=time.time() - t0)
+        best = min(ms_default, row.get("tuned_ms", math.inf))
+        row["tb_s"] = nbytes / best / 1e9
+        row["pct_copy"] = 100 * row["tb_s"] / results["copy_tb_s"]
+        rows.append(row)
+        cfg = row.get("tuned_config", row["default_config"])
+        print(f"{batch:>5} {ctx:>6} {ms_default:>10.4f} {nbytes / ms_default / 1e9:>6.2f} "
+              f"{row.get('tuned_ms', float('nan')):>9.4f} {row['tb_s']:>6.2f} {row['pct_copy']:>5.0f}%"
+              f"  {cfg}")
+    results["decode"] = rows
+
+
+def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Tensor:
+    return wq.w4a16_matmul(x, w, cfg)
+
+
+def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+    space = lambda s: [wq.W4A16Config(16, bn, bk, sk, 4, st) for bn in (32, 64, 128) for bk in (128, 256)  # noqa: E731
+                       for sk in (1, 2, 4) for st in (3, 4) if s.k // (sk * bk) >= 2]
+    spec = dataclasses.replace(specs.W4A16, space=space)
+    rows = []
+    print("\nW4A16 GEMM (group 32, fp16 scales+mins) vs bf16 F.linear, Llama-3.1-8B projections")
+    print(f"{'proj':>8} {'M':>3} {'bf16 ms':>8} {'w4 ms':>8} {'speedup':>7} {'w4 TB/s':>7}  config")
+    for name, (n, k) in GEMM_SHAPES.items():
+        w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
+        ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+        wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
+                     n * k * 2, rotate_bytes)
+        tuned: dict[int, wq.W4A16Config] = {}
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+            ms_bf16 = bench_over(partial(F.linear, x), wbf)
+            cfg = wq.default_config(m, n, k)
+            if tune and m in (1, 16):
+                problems = [{"x": x, "w": w} for w in ws]
+                res = at.tune_and_cache(spec, specs.GemmShape(m, n, k), CUDA, cache, timer=bench_ms,
+                                        bench_problems=problems)
+                tuned[m] = res.chosen.candidate.config
+            cfg = tuned.get(1 if m <= 2 else 16, cfg)
+            ms_w4 = bench_over(partial(_w4_run, x, cfg), ws)
+            row = {"proj": name, "n": n, "k": k, "m": m, "bf16_ms": ms_bf16, "w4_ms": ms_w4,
+                   "speedup": ms_bf16 / ms_w4, "w4_tb_s": w4_bytes / ms_w4 / 1e9,
+                   "config": dataclasses.asdict(cfg)}
+            rows.append(row)
+            print(f"{name:>8} {m:>3} {ms_bf16:>8.4f} {ms_w4:>8.4f} {row['speedup']:>6.2f}x "
+                  f"{row['w4_tb_s']:>7.2f}  bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} "
+                  f"st{cfg.num_stages}")
+    for m in (1, 16):
+        per_m = [r for r in rows if r["m"] == m]
+        total = sum(r["bf16_ms"] for r in per_m) / sum(r["w4_ms"] for r in per_m)
+        results[f"w4a16_layer_speedup_m{m}"] = total
+        print(f"one layer's four projections at M={m}: {total:.2f}x faster than bf16")
+    results["w4a16"] = rows
+
+
+def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+    hidden, inter = 4096, 14336
+    rows = []
+    print("\nRMSNorm + residual (bf16, hidden 4096; bytes = x, residual in; out, h out), "
+          "SiLU-mul (inter 14336)")
+    print(f"{'kernel':>8} {'rows':>6} {'ms':>8} {'TB/s':>6} {'%copy':>6}")
+    gen = torch.Generator().manual_seed(1)
+    tuned_cfg = None
+    for num_rows in (1, 64, 4096, 16384):
+        shape = specs.NormShape(num_rows, hidden)
+        nbytes = 4 * num_rows * hidden * 2
+        sets = copies(lambda i, s=shape: specs.RMSNORM.make_problem(s, gen, CUDA), nbytes, rotate_bytes)
+        if tune and num_rows == 16384:
+            tuned_cfg = at.tune_and_cache(specs.RMSNORM, shape, CUDA, cache, timer=bench_ms,
+                                          bench_problems=sets).chosen.candidate.config
+        cfg = tuned_cfg if num_rows >= 4096 and tuned_cfg else rn.default_config(hidden)
+        ms = bench_over(partial(specs.RMSNORM.run, cfg), sets)
+        rows.append({"kernel": "rmsnorm", "rows": num_rows, "ms": ms, "tb_s": nbytes / ms / 1e9,
+                     "config": dataclasses.asdict(cfg)})
+    for num_rows in (1, 64, 4096):
+        nbytes = 3 * num_rows * inter * 2
+        xs = copies(lambda i, r=num_rows: torch.randn(r, 2 * inter, device=CUDA, dtype=torch.bfloat16),
+                    nbytes, rotate_bytes)
+        ms = bench_over(silu_mul, xs)
+        rows.append({"kernel": "silu_mul", "rows": num_rows, "ms": ms, "tb_s": nbytes / ms / 1e9})
+    for r in rows:
+        r["pct_copy"] = 100 * r["tb_s"] / results["copy_tb_s"]
+        print(f"{r['kernel']:>8} {r['rows']:>6} {r['ms']:>8.4f} {r['tb_s']:>6.2f} {r['pct_copy']:>5.0f}%")
+    results["rows_kernels"] = rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="bench_kernels.json")
+    parser.add_argument("--parts", default="decode,w4a16,rows")
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--rotate-mb", type=int, default=512)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "bench_kernels.py needs a CUDA GPU"
+    results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+    print(results)
+    ceilings(results)
+    cache = at.AutotuneCache()
+    rotate = args.rotate_mb * 2**20
+    parts = {"decode": bench_decode, "w4a16": bench_w4a16, "rows": bench_rows_kernel}
+    for part in args.parts.split(","):
+        t0 = time.time()
+        parts[part](results, cache, rotate, not args.no_tune)
+        print(f"[{part}: {time.time() - t0:.0f} s]")
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"autotune cache: {cache.path} ({len(cache.entries)} entries)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
