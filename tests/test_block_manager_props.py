@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from stride.sched.block_manager import BlockManager, NoFreeBlocksError
 
 BS = 4
-NUM_BLOCKS = 20
+NUM_BLOCKS = 14  # small: allocations are refused and cached blocks evicted often
 NUM_SLOTS = 6
 MAX_BLOCKS = 8  # 32 tokens per sequence
 TENANTS = ("a", "b", "c")
