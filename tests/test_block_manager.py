@@ -226,7 +226,12 @@ def test_can_allocate_memo_never_goes_stale() -> None:
     assert bm.can_allocate("t", prompt)
     prompt[0] = 99  # the caller edits its array in place before allocating
     assert bm.allocate(1, "t", prompt) == 0
+    as_list = SYSTEM + [9]
+    assert bm.can_allocate("t", as_list)
+    as_list[4] = 99  # the same with a list: block 1 no longer matches
+    assert bm.allocate(2, "t", as_list) == 4
     assert bm.can_allocate("t", SYSTEM + [9])
+    bm.free(2)
     assert bm.allocate(2, "u", SYSTEM + [9]) == 0  # other tenant
     assert bm.allocate(3, "t", SYSTEM + [9]) == 8
 

