@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Decode throughput of the worker's forward pass (ModelRunner + greedy argmax) at several batch sizes.
+
+Each batch of B sequences is prefilled with a short prompt, then timed over --steps decode steps; tokens/s
+= B × steps / time. On CUDA it also measures copy bandwidth in the same run and prints the batch-1 figure as
+a fraction of the roofline (weight bytes read per token over that bandwidth). Prints figures; asserts nothing.
+
+    python scripts/bench_worker.py                       # SmolLM2 GGUF on CPU, float32
+    python scripts/bench_worker.py --model /tmp/llama8b --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from stride.workers.runner import ModelRunner
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t)
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of parameters one decode token reads (tied tensors once; MoE: the routed share of experts)."""
+    seen: dict[int, int] = {}
+    expert = 0
+    for name, p in runner.model.named_parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert += p.numel() * p.element_size()
+    total = sum(seen.values())
+    if runner.args.num_experts:
+        total -= expert - expert * runner.args.num_experts_per_tok // runner.args.num_experts
+    return total
+
+
+def decode_rate(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+    bs = runner.block_size
+    blocks_per_seq = -(-(prompt_len + steps + 1) // bs)
+    if batch * blocks_per_seq > runner.num_blocks:
+        raise SystemExit(
+            f"batch {batch} needs {batch * blocks_per_seq} blocks, cache has {runner.num_blocks}"
+        )
+    tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
+    slots = np.arange(batch, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    # Prefill in chunks of at most 2048 tokens, as the scheduler's token budget would.
+    per_step = max(1, 2048 // prompt_len)
+    for lo in range(0, batch, per_step):
+        s = slots[lo : lo + per_step]
+        n = len(s)
+        runner.forward(
+            rng.integers(0, runner.args.vocab_size, n * prompt_len).astype(np.int32),
+            np.tile(np.arange(prompt_len, dtype=np.int32), n),
+            s,
+            np.full(n, prompt_len, np.int32),
+            np.full(n, prompt_len, np.int32),
+            tables,
+        )
+    tokens = rng.integers(0, runner.args.vocab_size, batch).astype(np.int32)
+    q_lens = np.ones(batch, np.int32)
+    sync(runner.device)
+    start = time.perf_counter()
+    for i in range(steps):
+        pos = np.full(batch, prompt_len + i, np.int32)
+        logits = runner.forward(tokens, pos, slots, q_lens, pos + 1, tables)
+        tokens = logits.argmax(-1).to(torch.int32).cpu().numpy()
+    sync(runner.device)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="", help="HF checkpoint dir or GGUF (default: SmolLM2 GGUF)")
+    parser.add_argument("--device", default="")
+    parser.add_argument("--dtype", default="")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    need = max(batches) * -(-(args.prompt_len + args.steps + 1) // 16)
+    t = time.perf_counter()
+    runner = ModelRunner(args.model, device=args.device, dtype=args.dtype, num_blocks=need)
+    print(
+        f"model {args.model or 'default (SmolLM2-135M GGUF)'}: {runner.args.family}, "
+        f"{runner.device}/{runner.dtype}, loaded in {time.perf_counter() - t:.1f} s, "
+        f"threads {torch.get_num_threads()}"
+    )
+    rates = {}
+    for b in batches:
+        decode_rate(runner, b, args.prompt_len, 2)  # warm-up (allocator, kernels)
+        rates[b] = decode_rate(runner, b, args.prompt_len, args.steps)
+        print(f"batch {b:4d}: {rates[b]:9.1f} tok/s  ({1000 * b / rates[b]:.1f} ms/step)")
+    if runner.device.type == "cuda" and 1 in rates:
+        bw = copy_bandwidth(runner.device)
+        wb = weight_bytes(runner)
+        roofline = bw / wb
+        print(
+            f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.2f} GB/token"
+            f" -> roofline {roofline:.1f} tok/s; batch 1 = {rates[1] / roofline:.1%} of roofline"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
