@@ -41,17 +41,19 @@ def run(num_seqs: int, args: argparse.Namespace) -> dict[str, float]:
         p = np.concatenate([systems[tenant], tail])[:length] if shared else tail
         return p.tolist() if args.prompt_type == "list" else p
 
-    def admit(slot: int, length: int, shared: bool) -> int:
+    def new_prompt(length: int, shared: bool) -> tuple[str, np.ndarray | list[int]]:
         tenant = int(rng.integers(NUM_TENANTS))
-        p = prompt(length, shared, tenant)
-        assert bm.can_allocate(f"t{tenant}", p)
-        return bm.allocate(slot, f"t{tenant}", p)
+        return f"t{tenant}", prompt(length, shared, tenant)
+
+    def admit(slot: int, tenant: str, p: np.ndarray | list[int]) -> int:
+        assert bm.can_allocate(tenant, p)
+        return bm.allocate(slot, tenant, p)
 
     running = list(range(num_seqs))
     spare = list(range(num_seqs, num_slots))
     for slot in running:  # warm state: contexts of 256..3072 tokens, most opening with a system prompt
         n = int(rng.integers(256, 3072))
-        admit(slot, n, shared=bool(rng.random() < 0.75))
+        admit(slot, *new_prompt(n, shared=bool(rng.random() < 0.75)))
         bm.mark_computed(slot, n)
     chunk = max(args.budget - num_seqs, 0) // max(args.frees, 1)
 
@@ -60,6 +62,7 @@ def run(num_seqs: int, args: argparse.Namespace) -> dict[str, float]:
         ids = rng.integers(0, 50_000, len(running), dtype=np.int32)
         slots = np.array(running, dtype=np.intp)
         victims = rng.choice(len(running), args.frees, replace=False)
+        prompts = [new_prompt(args.prompt_len, shared=i % 2 == 0) for i in range(len(spare))]
         t0 = time.perf_counter()
         if args.api == "batch":
             assert bm.num_blocks_to_append(slots) <= bm.num_available_blocks
@@ -75,7 +78,7 @@ def run(num_seqs: int, args: argparse.Namespace) -> dict[str, float]:
         for slot in freed:
             bm.free(slot)
         t2 = time.perf_counter()
-        num_cached = [admit(slot, args.prompt_len, shared=i % 2 == 0) for i, slot in enumerate(spare)]
+        num_cached = [admit(slot, *p) for slot, p in zip(spare, prompts, strict=True)]
         for slot, start in zip(spare, num_cached, strict=True):
             bm.mark_computed(slot, min(start + chunk, args.prompt_len))
         t3 = time.perf_counter()

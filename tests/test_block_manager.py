@@ -300,7 +300,7 @@ def _live_count(bm: BlockManager) -> None:
 
 
 def _cached_also_free(bm: BlockManager) -> None:
-    bm._free._blocks.append(3)  # a cached block on the free list, count untouched
+    bm._free._put(np.array([3]))  # a cached block on the free list, count untouched
 
 
 def _cached_also_free_counted(bm: BlockManager) -> None:

@@ -63,7 +63,7 @@ class BlockManager:
         max_num_seqs, self.max_blocks_per_seq = block_tables.shape
         block_tables.fill(-1)
 
-        self._free = FreeList(range(num_blocks))
+        self._free = FreeList(num_blocks)
         self._cached = EvictableLRU()
         self._live = LiveSet()
         self._ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: allocate, fork and free touch many at once
@@ -134,7 +134,9 @@ class BlockManager:
         self._live.add_many(revived)
         ref[hits] += 1
         new = self._take(num_new)
-        self.block_tables[slot, :need] = hits + new
+        row = self.block_tables[slot]
+        row[:len(hits)] = hits
+        row[len(hits):need] = new
         self._tokens[slot, :n] = tokens
         self._num_tokens[slot] = n
         self._num_table_blocks[slot] = need
@@ -216,7 +218,7 @@ class BlockManager:
                 self._live.add(b)
                 self._ref[b] = 1
             else:
-                (b,) = self._take(1)
+                b = int(self._take(1)[0])
             self.block_tables[slot, nb] = b
             self._num_table_blocks[slot] = nb + 1
         self._tokens[slot, n] = token_id
@@ -269,7 +271,7 @@ class BlockManager:
         row = self.block_tables[parent_slot]
         copy = None
         if nb > num_full:  # take the copy's block first: failing here leaves everything unchanged
-            (dst,) = self._take(1)
+            dst = int(self._take(1)[0])
             self.block_tables[child_slot, num_full] = dst
             copy = (int(row[num_full]), dst)
         self._ref[row[:num_full]] += 1
@@ -365,7 +367,7 @@ class BlockManager:
             h = nh
         return hits, h
 
-    def _take(self, count: int) -> list[int]:
+    def _take(self, count: int) -> np.ndarray:
         """``count`` blocks made live with ref count 1: free ones first, then evicted cached ones."""
         if count > self._free.num + self._cached.num:
             raise NoFreeBlocksError(f"need {count} blocks, {self._free.num + self._cached.num} available")
@@ -377,10 +379,10 @@ class BlockManager:
             for b in evicted:
                 del index[block_hashes[b]]  # type: ignore[arg-type]  # a cached block is always indexed
                 block_hashes[b] = None
-            out += evicted
+            out = np.concatenate((out, np.array(evicted, dtype=np.int64)))
             self._num_evictions += len(evicted)
             self._index_version += 1
-        self._live.add_many(out)
+        self._live.add_many(out.tolist())
         self._ref[out] = 1
         return out
 

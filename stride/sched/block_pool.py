@@ -8,9 +8,10 @@ shows up as a failure instead of being absorbed by the algebra.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -18,40 +19,63 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class FreeList:
-    """Blocks with no content, handed out first-in first-out. Owns ``num_free``."""
+    """Blocks with no content, handed out first-in first-out from a numpy ring, so bulk pops and pushes are
+    slices. Owns ``num_free``. The ring's extent (``tail - head``, positions that only grow) is its size,
+    kept apart from the count."""
 
-    __slots__ = ("_blocks", "num")
+    __slots__ = ("_ring", "_head", "_tail", "num")
 
-    def __init__(self, block_ids: Iterable[int]) -> None:
-        self._blocks: deque[int] = deque(block_ids)
-        self.num = len(self._blocks)
+    def __init__(self, capacity: int) -> None:
+        """Every block ``0 .. capacity - 1`` starts free, lowest id first out."""
+        self._ring = np.arange(capacity, dtype=np.int64)
+        self._head = 0
+        self._tail = capacity
+        self.num = capacity
+
+    def _put(self, block_ids: np.ndarray) -> None:
+        count, cap = len(block_ids), len(self._ring)
+        if self._tail - self._head + count > cap:
+            raise AssertionError("free list overflow: a block was freed twice")
+        start = self._tail % cap
+        first = min(count, cap - start)
+        self._ring[start:start + first] = block_ids[:first]
+        self._ring[:count - first] = block_ids[first:]
+        self._tail += count
 
     def push(self, block_id: int) -> None:
-        self._blocks.append(block_id)
+        self._put(np.array([block_id], dtype=np.int64))
         self.num += 1
 
     def push_many(self, block_ids: list[int]) -> None:
-        self._blocks.extend(block_ids)
+        self._put(np.asarray(block_ids, dtype=np.int64))
         self.num += len(block_ids)
 
     def pop(self) -> int:
-        block_id = self._blocks.popleft()  # IndexError when empty, before the count moves
+        if self._tail == self._head:
+            raise NoFreeBlocksError("the free list is empty")
+        block_id: int = self._ring.item(self._head % len(self._ring))
+        self._head += 1
         self.num -= 1
         return block_id
 
-    def pop_many(self, count: int) -> list[int]:
-        if count > self.num:
-            raise NoFreeBlocksError(f"asked for {count} free blocks, have {self.num}")
-        pop = self._blocks.popleft
-        out = [pop() for _ in range(count)]
+    def pop_many(self, count: int) -> np.ndarray:
+        if count > self._tail - self._head:
+            raise NoFreeBlocksError(f"asked for {count} free blocks, have {self._tail - self._head}")
+        cap = len(self._ring)
+        start = self._head % cap
+        first = min(count, cap - start)
+        out = np.concatenate((self._ring[start:start + first], self._ring[:count - first]))
+        self._head += count
         self.num -= count
         return out
 
     def size(self) -> int:
-        return len(self._blocks)
+        return self._tail - self._head
 
     def block_ids(self) -> list[int]:
-        return list(self._blocks)
+        """Next out first."""
+        ids: list[int] = self._ring[np.arange(self._head, self._tail) % len(self._ring)].tolist()
+        return ids
 
 
 class EvictableLRU:
