@@ -118,7 +118,7 @@ def _checker(tp: Any) -> Check:
                 raise _fail(p, "object", v)
             return {k: val(x, f"{p}.{k}") for k, x in v.items()}
         return check_dict
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _struct_checker(tp)
     raise TypeError(f"no wire encoding for type {tp!r}")
 
