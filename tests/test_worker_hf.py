@@ -214,3 +214,25 @@ def test_tiny_llama_really_uses_llama3_scaling(tmp_path: Path) -> None:
     (path / "config.json").write_text(cfg.replace('"llama3"', '"default"'))
     plain = OneSeq(ModelRunner(str(path), device="cpu", num_blocks=16)).feed(ids)
     assert (scaled - plain).abs().max().item() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@gpu
+@torch.inference_mode()
+def test_llama_8b_shaped_checkpoint_loads_and_decodes(tmp_path: Path) -> None:
+    # Writes ~16 GB of random bf16 weights; the cache is sized from the GPU memory left after loading.
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+    path = make["write_checkpoint"](make["PRESETS"]["llama-3.1-8b"], tmp_path / "8b", torch.bfloat16, seed=0)
+    runner = ModelRunner(str(path), device="cuda", dtype="bfloat16")
+    assert runner.num_blocks > 1000 and runner.args.num_layers == 32
+    ids = np.random.default_rng(0).integers(0, 128000, 300).tolist()
+    one_shot = OneSeq(runner, seed=1).feed(ids)
+    seq = OneSeq(runner, seed=2)
+    for lo in range(0, 300, 30):
+        chunked = seq.feed(ids[lo : lo + 30])
+    assert torch.nn.functional.cosine_similarity(one_shot, chunked, dim=0).item() >= 0.999
+    for _ in range(8):
+        logits = seq.feed([int(chunked.argmax())])
+        assert torch.isfinite(logits).all()
+        chunked = logits
