@@ -125,9 +125,13 @@ def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) 
 
 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
-    return [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=st)
-            for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 2, 4, 8) for w in (4,) for st in (3, 4)
-            if shape.k // (sk * bk) >= 1]
+    tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
+             for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4) for st in (3, 4)
+             if shape.k // (sk * bk) >= 2]
+    gemv = [wq.W4A16Config(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
+            for bn in (32, 64, 128) for bk in (256, 512) for sk in (1, 2, 4, 8) for w in (4, 8)
+            if shape.k // (sk * bk) >= 2 and bn * bk // (32 * w) <= 1024] if shape.m <= 4 else []
+    return gemv + tiles
 
 
 def _gemm_gate_shapes(shape: GemmShape) -> list[GemmShape]:

@@ -41,7 +41,11 @@ class W4A16Weight:
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """block_k covers 8 * (block_k // 8) inputs per step; split_k > 1 reduces through float32 atomics."""
+    """gemv: one activation row per program, FMA dot products (decode, M <= 4); else tensor-core tiles.
+
+    split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
+    partials (an arrival counter per tile), so a call is always a single launch.
+    """
 
     block_m: int = 16
     block_n: int = 64
@@ -49,61 +53,107 @@ class W4A16Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
 
 
 def default_config(m: int, n: int, k: int) -> W4A16Config:
     # Decode shapes have few output tiles: split K until an H200's 132 SMs have a few programs each.
+    gemv = m <= 2
     block_n = 64
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 16)
+    tiles = triton.cdiv(n, block_n) * (m if gemv else triton.cdiv(m, 16))
     split_k = 1
     while tiles * split_k < 264 and k // (split_k * 2) >= 512:
         split_k *= 2
-    return W4A16Config(block_m=16, block_n=block_n, block_k=256, split_k=split_k, num_warps=4, num_stages=3)
+    return W4A16Config(block_m=1 if gemv else 16, block_n=block_n, block_k=256, split_k=split_k, num_warps=4,
+                       num_stages=3, gemv=gemv)
 
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, qw_ptr, sc_ptr, mn_ptr, out_ptr,
+    x_ptr, qw_ptr, sc_ptr, mn_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    WORDS: tl.constexpr = BLOCK_K // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, WORDS)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        words = k0 // 8 + offs_w
-        w_mask = (words[:, None] < k_hi // 8) & n_mask[None, :]
-        packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :],
-                         mask=w_mask, other=0)
-        # All 8 codes of a word share a group because GROUP is a multiple of 8.
-        g = (words * 8) // GROUP
-        sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        # Nibble j of every word is a (WORDS, BLOCK_N) slab of inputs 8*kk + j: a dot per nibble, no reshape.
-        for j in tl.static_range(8):
-            codes = ((packed >> (4 * j)) & 0xF).to(tl.float32)
-            ks = words * 8 + j
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=m_mask[:, None] & (ks[None, :] < k_hi), other=0.0)
-            w = (codes * sc + mn).to(x.dtype)
-            acc += dot(x, w, DOT_PRECISION, DOT_UPCAST)
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask)
+    if GEMV:
+        # Per word: sum_j x_j * (code_j * s + m) = s * sum_j x_j code_j + m * sum_j x_j, reduced over K once.
+        WORDS: tl.constexpr = BLOCK_K // 8
+        offs_w = tl.arange(0, WORDS)
+        acc2 = tl.zeros([WORDS, BLOCK_N], tl.float32)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            words = k0 // 8 + offs_w
+            w_ok = words < k_hi // 8
+            mask2 = w_ok[:, None] & n_mask[None, :]
+            packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask2,
+                             other=0)
+            g = (words * 8) // GROUP
+            sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
+            dot_codes = tl.zeros([WORDS, BLOCK_N], tl.float32)
+            x_sum = tl.zeros([WORDS], tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_row + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+                dot_codes += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[:, None]
+                x_sum += xj
+            acc2 += sc * dot_codes + mn * x_sum[:, None]
+        acc = tl.sum(acc2, axis=0)[None, :]
     else:
+        # Each row of the (BLOCK_K, BLOCK_N) tile re-reads its word (8 rows share one, from L1) and
+        # shifts out its own nibble: one dot per step, no reshape.
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + offs_k
+            k_ok = ks < k_hi
+            mask2 = k_ok[:, None] & n_mask[None, :]
+            packed = tl.load(qw_ptr + (ks // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask2,
+                             other=0)
+            g = ks // GROUP
+            sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                        mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            codes = ((packed >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+            acc += dot(x, (codes * sc + mn).to(x.dtype), DOT_PRECISION, DOT_UPCAST)
+    mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters kept per device; each kernel resets the ones it used."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def check_weight(w: W4A16Weight) -> None:
@@ -118,11 +168,16 @@ def check_weight(w: W4A16Weight) -> None:
 
 
 def workspace_bytes(m: int, n: int, cfg: W4A16Config) -> int:
-    return m * n * 4 if cfg.split_k > 1 else 0
+    """Float32 split-K partials."""
+    return cfg.split_k * m * n * 4 if cfg.split_k > 1 else 0
 
 
 def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = None) -> torch.Tensor:
-    """x: (M, K) float16/bfloat16 (float32 allowed for tests); returns (M, N) in x's dtype."""
+    """x: (M, K) float16/bfloat16 (float32 allowed for tests); returns (M, N) in x's dtype.
+
+    One launch. Calls that split K share per-device arrival counters: issue them on one stream (the
+    worker's), and make the first call before capturing a CUDA graph (it allocates the counters).
+    """
     check_weight(w)
     assert x.dim() == 2 and x.shape[1] == w.in_features, f"x {tuple(x.shape)} vs K={w.in_features}"
     check_float("x", x)
@@ -130,21 +185,25 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     m, k = x.shape
     n = w.out_features
     cfg = config or default_config(m, n, k)
-    assert cfg.block_k % 128 == 0, "block_k must be a multiple of 128 (each nibble dot needs K >= 16)"
+    assert cfg.gemv or cfg.block_k >= 16, "tensor-core tiles need block_k >= 16"
+    assert cfg.block_k % 8 == 0
+    block_m = 1 if cfg.gemv else cfg.block_m
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, block_m))
     if split_k > 1:
-        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, grid[0] * grid[2])
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, cfg.block_m))
+        partials = counters = out
     _w4a16_kernel[grid](
-        x, w.qweight, w.scales, w.mins, out, m, n, k, k_per_split,
+        x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ATOMIC=split_k > 1, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out.to(x.dtype) if split_k > 1 else out
+    return out
 
 
 def dequantize(w: W4A16Weight) -> torch.Tensor:

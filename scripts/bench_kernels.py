@@ -77,16 +77,18 @@ def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator) -
     return sets
 
 
-def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
-    space = lambda s: [pa.DecodeConfig(bn, part, 4, st) for bn in (32, 64) for st in (2, 3)  # noqa: E731
-                       for part in (0, 256, 512, 1024) if part < s.context_len]
+def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
+                 shapes: list[tuple[int, int]] | None = None, wide: bool = False) -> None:
+    block_ns, warps = ((32, 64, 128), (4, 8)) if wide else ((32, 64), (4,))
+    space = lambda s: [pa.DecodeConfig(bn, part, w, st) for bn in block_ns for w in warps  # noqa: E731
+                       for st in (2, 3) for part in (0, 256, 512, 1024) if part < s.context_len]
     spec = dataclasses.replace(specs.PAGED_DECODE, space=space)
     gen = torch.Generator().manual_seed(0)
     rows = []
     print("\npaged decode attention, bf16, 32 q / 8 kv heads, head_dim 128, page 16 (bytes = K+V read)")
     print(f"{'batch':>5} {'ctx':>6} {'default ms':>10} {'TB/s':>6} {'tuned ms':>9} {'TB/s':>6} {'%copy':>6}"
           "  config")
-    for batch, ctx in itertools.product((1, 16, 64), (1024, 4096, 16384)):
+    for batch, ctx in shapes or list(itertools.product((1, 16, 64), (1024, 4096, 16384))):
         sets = decode_sets(batch, ctx, rotate_bytes, gen)
         nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
         shape = specs.DecodeShape(batch, HEADS, KV_HEADS, HEAD_DIM, PAGE, ctx, torch.bfloat16)
@@ -115,8 +117,13 @@ def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Te
 
 
 def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
-    space = lambda s: [wq.W4A16Config(16, bn, bk, sk, 4, st) for bn in (32, 64, 128) for bk in (128, 256)  # noqa: E731
-                       for sk in (1, 2, 4) for st in (3, 4) if s.k // (sk * bk) >= 2]
+    def space(s: specs.GemmShape) -> list[wq.W4A16Config]:
+        if s.m <= 2:
+            return [wq.W4A16Config(1, bn, bk, sk, 4, 3, gemv=True) for bn in (32, 64, 128) for bk in (256, 512)
+                    for sk in (1, 2, 4, 8) if s.k // (sk * bk) >= 2]
+        return [wq.W4A16Config(16, bn, bk, sk, 4, 3) for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4)
+                if s.k // (sk * bk) >= 2]
+
     spec = dataclasses.replace(specs.W4A16, space=space)
     rows = []
     print("\nW4A16 GEMM (group 32, fp16 scales+mins) vs bf16 F.linear, Llama-3.1-8B projections")
@@ -127,7 +134,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
         wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
                      n * k * 2, rotate_bytes)
         tuned: dict[int, wq.W4A16Config] = {}
-        for m in (1, 2, 4, 8, 16):
+        for m in (1, 16, 2, 4, 8):  # tuned at 1 and 16 first; 2 borrows from 1, 4 and 8 from 16
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
             ms_bf16 = bench_over(partial(F.linear, x), wbf)
             cfg = wq.default_config(m, n, k)
@@ -143,8 +150,8 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
                    "config": dataclasses.asdict(cfg)}
             rows.append(row)
             print(f"{name:>8} {m:>3} {ms_bf16:>8.4f} {ms_w4:>8.4f} {row['speedup']:>6.2f}x "
-                  f"{row['w4_tb_s']:>7.2f}  bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} "
-                  f"st{cfg.num_stages}")
+                  f"{row['w4_tb_s']:>7.2f}  {'gemv' if cfg.gemv else 'tile'} bn{cfg.block_n} bk{cfg.block_k} "
+                  f"sk{cfg.split_k} st{cfg.num_stages}")
     for m in (1, 16):
         per_m = [r for r in rows if r["m"] == m]
         total = sum(r["bf16_ms"] for r in per_m) / sum(r["w4_ms"] for r in per_m)
@@ -190,6 +197,8 @@ def main() -> int:
     parser.add_argument("--parts", default="decode,w4a16,rows")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--rotate-mb", type=int, default=512)
+    parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
+    parser.add_argument("--decode-wide", action="store_true", help="tune over block_n 128 and 8 warps too")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels.py needs a CUDA GPU"
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -198,7 +207,9 @@ def main() -> int:
     ceilings(results)
     cache = at.AutotuneCache()
     rotate = args.rotate_mb * 2**20
-    parts = {"decode": bench_decode, "w4a16": bench_w4a16, "rows": bench_rows_kernel}
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
+    parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
+             "w4a16": bench_w4a16, "rows": bench_rows_kernel}
     for part in args.parts.split(","):
         t0 = time.time()
         parts[part](results, cache, rotate, not args.no_tune)

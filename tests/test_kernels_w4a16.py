@@ -27,12 +27,13 @@ def _rel_err(out, ref):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 256), (5, 123, 384), (16, 64, 32 * 13)])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k):
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("gemv", [False, True])
+def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
     gen = torch.Generator().manual_seed(m * n + k)
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
     x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
-    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=128, split_k=split_k))
+    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=64, split_k=split_k, gemv=gemv))
     ref = w4a16_reference(x, w)
     assert out.dtype == dtype and out.shape == (m, n)
     assert _rel_err(out, ref) <= tol
