@@ -312,6 +312,11 @@ def _cached_moved_to_free(bm: BlockManager) -> None:
     bm._free.push(3)
 
 
+def _cached_swapped_onto_free(bm: BlockManager) -> None:
+    bm._free.pop_many(1)  # every count and size still agrees; block 3 is in two places, another nowhere
+    bm._free.push(3)
+
+
 def _free_block_lost(bm: BlockManager) -> None:
     bm._free.pop_many(1)  # a block that is nowhere
 
@@ -354,6 +359,7 @@ def _slot_count(bm: BlockManager) -> None:
     (_cached_also_free, "num_free"),
     (_cached_also_free_counted, "!= capacity"),
     (_cached_moved_to_free, "indexed block 3 is on the free list"),
+    (_cached_swapped_onto_free, "block 3 is both free and cached"),
     (_free_block_lost, "!= capacity"),
     (_ref_too_high, "block 0 has ref count 3 but 2"),
     (_ref_too_low, "block 2 has ref count 0 but 1"),

@@ -32,21 +32,23 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
     if free.num + cached.num + live.num != n:
         _fail(f"live {live.num} + cached {cached.num} + free {free.num} != capacity {n}")
 
-    # 2. No block in two places, none outside the pool, none missing.
-    free_ids = free.block_ids()
-    free_set, cached_set, live_set = set(free_ids), set(cached.block_ids()), set(live.block_ids())
-    if len(free_set) != len(free_ids):
-        _fail("a block is on the free list twice")
-    for (name_a, set_a), (name_b, set_b) in ((("free", free_set), ("cached", cached_set)),
-                                             (("free", free_set), ("live", live_set)),
-                                             (("cached", cached_set), ("live", live_set))):
-        both = set_a & set_b
-        if both:
-            _fail(f"block {min(both)} is both {name_a} and {name_b}")
-    everything = free_set | cached_set | live_set
-    if everything != set(range(n)):
-        odd = sorted(everything ^ set(range(n)))
-        _fail(f"block {odd[0]} is {'out of range' if odd[0] in everything else 'nowhere'}")
+    # 2. No block in two places, none outside the pool, none missing (vectorised: the check runs every step).
+    where: dict[str, np.ndarray] = {}
+    for name, ids in (("free", free.block_ids()), ("cached", cached.block_ids()), ("live", live.block_ids())):
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= n):
+            _fail(f"the {name} structure holds a block outside [0, {n})")
+        where[name] = np.bincount(arr, minlength=n)
+    placed = where["free"] + where["cached"] + where["live"]
+    if (placed != 1).any():
+        b = int(np.nonzero(placed != 1)[0][0])
+        places = [name for name, c in where.items() if c[b]]
+        if placed[b] == 0:
+            _fail(f"block {b} is nowhere")
+        if len(places) == 1:
+            _fail(f"block {b} is {places[0]} twice")
+        _fail(f"block {b} is both {places[0]} and {places[1]}")
+    is_free, is_cached, is_live = where["free"] > 0, where["cached"] > 0, where["live"] > 0
 
     # 3. Block tables: rows of empty slots are -1, occupied rows hold exactly their blocks, then -1.
     tables = bm.block_tables
@@ -81,26 +83,29 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
     if wrong.size:
         b = int(wrong[0])
         _fail(f"block {b} has ref count {ref[b]} but {counts[b]} block-table entries")
-    referenced = set(np.nonzero(counts)[0].tolist())
-    if referenced != live_set:
-        b = min(referenced ^ live_set)
-        _fail(f"block {b} is {'live' if b in live_set else 'not live'} with {counts[b]} references")
+    if ((counts > 0) != is_live).any():
+        b = int(np.nonzero((counts > 0) != is_live)[0][0])
+        _fail(f"block {b} is {'live' if is_live[b] else 'not live'} with {counts[b]} references")
 
     # 5. Index <=> cached/live: every indexed block is live or cached, every cached block is indexed.
     index, block_hashes = bm._index, bm._block_hash
-    hashed = {b for b, h in enumerate(block_hashes) if h is not None}
-    if len(set(index.values())) != len(index):
-        _fail("two addresses point at one block")
-    if set(index.values()) != hashed:
-        _fail(f"block {min(set(index.values()) ^ hashed)} is in the index xor carries an address")
+    hashed = np.fromiter((h is not None for h in block_hashes), dtype=bool, count=n)
+    indexed_ids = np.fromiter(index.values(), dtype=np.int64, count=len(index))
+    if indexed_ids.size and (indexed_ids.min() < 0 or indexed_ids.max() >= n):
+        _fail(f"the index holds a block outside [0, {n})")
+    times_indexed = np.bincount(indexed_ids, minlength=n)
+    if times_indexed.max(initial=0) > 1:
+        _fail(f"two addresses point at block {int(times_indexed.argmax())}")
+    if ((times_indexed > 0) != hashed).any():
+        _fail(f"block {int(np.nonzero((times_indexed > 0) != hashed)[0][0])} is in the index xor carries "
+              "an address")
     for h, b in index.items():
         if block_hashes[b] != h:
             _fail(f"the index maps {h.hex()} to block {b}, which carries another address")
-        if b in free_set:
-            _fail(f"indexed block {b} is on the free list")
-    unindexed = cached_set - hashed
-    if unindexed:
-        _fail(f"cached block {min(unindexed)} is not indexed")
+    if (hashed & is_free).any():
+        _fail(f"indexed block {int(np.nonzero(hashed & is_free)[0][0])} is on the free list")
+    if (is_cached & ~hashed).any():
+        _fail(f"cached block {int(np.nonzero(is_cached & ~hashed)[0][0])} is not indexed")
 
     if deep:
         _check_addresses(bm)

@@ -150,7 +150,7 @@ class LiveSet:
         return len(self._blocks)
 
     def block_ids(self) -> list[int]:
-        return sorted(self._blocks)
+        return list(self._blocks)
 
 
 @dataclass(frozen=True)
