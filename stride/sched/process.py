@@ -1,0 +1,170 @@
+"""The scheduler process: the one place that reads the clock, once per loop, and passes it down.
+
+It pulls :class:`TokenizedRequest`, :class:`AbortRequest` and rank 0's :class:`StepDone` at
+``scheduler_address``; it writes each step into the shared step buffers and pushes a
+:class:`StepDescriptor` to rank 0; it pushes each step's outputs to the tokenizer that owns each request,
+and refusals and :class:`SchedulerStats` to the frontend. One step is in flight at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import numpy as np
+import zmq
+
+from stride.config import StrideConfig
+from stride.ipc import messages as m
+from stride.ipc.layouts import StepBuffers, StepLayout
+from stride.ipc.queues import PullQueue, PushQueue
+from stride.sched.plan import StepPlan
+from stride.sched.scheduler import Scheduler
+from stride.sched.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 50
+
+
+class SchedulerLoop:
+    """Message handling around :class:`Scheduler`; the socket loop is :func:`run`."""
+
+    def __init__(self, config: StrideConfig, buffers: StepBuffers, eos_token_ids: list[int],
+                 trace: TraceWriter | None = None) -> None:
+        self.config = config
+        self.buffers = buffers
+        self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
+        self.owner: dict[str, int] = {}  # req_id -> tokenizer index
+        self.logprobs: dict[str, int] = {}  # req_id -> top-N asked for
+        self.inflight: StepPlan | None = None
+
+    def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
+        try:
+            refusal = self.core.add_request(req.req_id, req.tenant, req.prompt_token_ids, req.params,
+                                            req.service_class, now)
+        except ValueError as e:
+            return m.RequestFailed(req.req_id, 400, str(e), "invalid_request")
+        if refusal is not None:
+            return m.RequestFailed(req.req_id, refusal.status, refusal.message, refusal.reason)
+        self.owner[req.req_id] = req.tokenizer_index
+        if req.params.logprobs is not None:
+            self.logprobs[req.req_id] = req.params.logprobs
+        return None
+
+    def on_abort(self, req_id: str, now: float) -> None:
+        self.core.abort(req_id, now)
+        self.owner.pop(req_id, None)
+        self.logprobs.pop(req_id, None)
+
+    def next_step(self, now: float) -> m.StepDescriptor | None:
+        if self.inflight is not None or not self.core.has_work():
+            return None
+        plan = self.core.schedule(now)
+        if plan.num_seqs == 0:
+            return None
+        self.inflight = plan
+        return plan.descriptor()
+
+    def on_step_done(self, done: m.StepDone, now: float) -> dict[int, list[m.TokenOutput]]:
+        """The step's outputs grouped by owning tokenizer."""
+        plan = self.inflight
+        if plan is None or done.step != plan.step:
+            raise RuntimeError(f"StepDone for step {done.step}, in flight: {plan.step if plan else None}")
+        self.inflight = None
+        n = plan.num_seqs
+        sampled = np.array(self.buffers.sampled_ids[:n])
+        row_of = {rid: i for i, rid in enumerate(plan.req_ids)} if self.logprobs else {}
+        by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
+        for up in self.core.update(plan, sampled, now):
+            owner = self.owner.get(up.req_id)
+            if owner is None:
+                continue
+            lp = top = None
+            k = self.logprobs.get(up.req_id)
+            if k is not None and up.token_ids:
+                row = row_of[up.req_id]
+                lp = [float(self.buffers.logprobs[row])]
+                top = [[[int(t), float(v)] for t, v in zip(self.buffers.top_ids[row, :k].tolist(),
+                                                            self.buffers.top_logprobs[row, :k].tolist(),
+                                                            strict=True)]]
+            by_owner[owner].append(m.TokenOutput(up.req_id, up.token_ids, up.finish_reason,
+                                                 up.num_prompt_tokens, up.num_cached_tokens, lp, top))
+            if up.finish_reason is not None:
+                self.owner.pop(up.req_id, None)
+                self.logprobs.pop(up.req_id, None)
+        return by_owner
+
+    def fail_all(self, message: str) -> dict[int, list[m.TokenOutput]]:
+        """Every request ends with an error (the worker failed)."""
+        by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
+        for req_id, owner in list(self.owner.items()):
+            by_owner[owner].append(m.TokenOutput(req_id, [], "error", error=message))
+        self.owner.clear()
+        return by_owner
+
+    def stats(self) -> m.SchedulerStats:
+        return self.core.metrics().to_message()
+
+
+def run(config: StrideConfig, eos_token_ids: list[int], trace_path: str = "") -> int:
+    """Process entry point. The launcher created the step buffers; this process attaches them."""
+    ctx = zmq.Context()
+    control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
+    buffers = None
+    trace = None
+    try:
+        buffers = StepBuffers.attach(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
+        trace = TraceWriter(trace_path) if trace_path else None
+        loop = SchedulerLoop(config, buffers, eos_token_ids, trace)
+        inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.scheduler_address(),
+                                                m.TO_SCHEDULER + (m.Shutdown,))
+        to_worker: PushQueue[m.Message] = PushQueue(ctx, config.ipc.worker_address())
+        to_tok = [PushQueue[m.Message](ctx, config.ipc.tokenizer_address(i))
+                  for i in range(config.server.tokenizer_workers)]
+        to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
+        control.put(m.ProcessReady("scheduler", 0, {"num_blocks": config.cache.num_blocks}))
+        last_stats = 0.0
+        while True:
+            # Blocks until a message arrives: with a step in flight that is its StepDone.
+            first = inbox.get(timeout_ms=IDLE_POLL_MS)
+            msgs = ([first] if first is not None else []) + inbox.drain()
+            now = time.monotonic()
+            for msg in msgs:
+                if isinstance(msg, m.Shutdown):
+                    return 0
+                if isinstance(msg, m.TokenizedRequest):
+                    failed = loop.on_request(msg, now)
+                    if failed is not None:
+                        to_front.put(failed)
+                        to_tok[msg.tokenizer_index].put(m.ReleaseRequest(msg.req_id))
+                elif isinstance(msg, m.AbortRequest):
+                    loop.on_abort(msg.req_id, now)
+                elif isinstance(msg, m.StepDone):
+                    if msg.error is not None:
+                        log.error("rank 0 failed step %d: %s", msg.step, msg.error)
+                        for owner, outs in loop.fail_all(f"worker error: {msg.error}").items():
+                            to_tok[owner].put(m.StepOutputs(outs))
+                        to_front.put(m.RequestFailed("", 503, "the model worker failed", "worker_dead"))
+                        control.put(m.ProcessFailed("scheduler", f"worker step failed: {msg.error}"))
+                        return 1
+                    for owner, outs in loop.on_step_done(msg, now).items():
+                        to_tok[owner].put(m.StepOutputs(outs))
+            desc = loop.next_step(now)
+            if desc is not None:
+                to_worker.put(desc)
+            if now - last_stats >= STATS_INTERVAL_S:
+                to_front.put(loop.stats())
+                last_stats = now
+    except Exception as e:
+        log.exception("scheduler failed")
+        control.put(m.ProcessFailed("scheduler", f"{type(e).__name__}: {e}"))
+        return 1
+    finally:
+        if trace is not None:
+            trace.close()
+        if buffers is not None:
+            buffers.close()
+        ctx.destroy(linger=200)

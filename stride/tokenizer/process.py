@@ -1,0 +1,163 @@
+"""The tokenizer-pool process: chat template + tokenization on the way in, detokenization and stop strings
+on the way out.
+
+Tokenizer ``i`` pulls at ``IpcConfig.tokenizer_address(i)``: :class:`GenerateRequest` from the frontend,
+:class:`StepOutputs` from the scheduler (for the requests it tokenized, since their detokenizer state lives
+here), :class:`ReleaseRequest`. It pushes :class:`TokenizedRequest` / :class:`AbortRequest` to the scheduler
+and :class:`TextDelta` / :class:`RequestFailed` to the frontend.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from stride.config import StrideConfig
+from stride.ipc import messages as m
+from stride.ipc.queues import PullQueue, PushQueue
+from stride.tokenizer.detokenizer import token_bytes_table
+from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
+from stride.tokenizer.stop import OutputText
+from stride.tokenizer.template import ChatTemplate, TemplateError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """One request's way back."""
+
+    output: OutputText
+    params: Any
+    num_output_tokens: int = 0
+
+
+class TokenizerWorker:
+    """The message handling of one tokenizer process, separate from its sockets so tests can drive it."""
+
+    def __init__(self, config: StrideConfig, index: int, tokenizer: ModelTokenizer) -> None:
+        self.config = config
+        self.index = index
+        self.tok = tokenizer
+        self.template = ChatTemplate.for_model(tokenizer) if tokenizer.chat_template else None
+        self.token_bytes = token_bytes_table(tokenizer.tokenizer)
+        self._token_text = [b.decode("utf-8", errors="replace") for b in self.token_bytes]
+        self.pending: dict[str, _Pending] = {}
+
+    # -------------------------------------------------------------- in
+
+    def on_generate(self, req: m.GenerateRequest) -> m.TokenizedRequest | m.RequestFailed:
+        try:
+            ids = self._prompt_ids(req)
+        except (TemplateError, ValueError) as e:
+            return m.RequestFailed(req.req_id, 400, str(e), "invalid_prompt")
+        limit = self.config.scheduler.max_model_len
+        if not ids:
+            return m.RequestFailed(req.req_id, 400, "the prompt is empty", "invalid_prompt")
+        if len(ids) >= limit:
+            return m.RequestFailed(req.req_id, 400, f"the prompt has {len(ids)} tokens; this model's context "
+                                   f"is {limit} tokens, including the output", "context_length_exceeded")
+        vocab = self.tok.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            return m.RequestFailed(req.req_id, 400, f"prompt token ids must be in [0, {vocab})", "invalid_prompt")
+        self.pending[req.req_id] = _Pending(OutputText.create(self.token_bytes, req.params.stop), req.params)
+        return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class)
+
+    def _prompt_ids(self, req: m.GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            if self.template is None:
+                raise ValueError("this model has no chat template; use /v1/completions")
+            text = self.template.render(req.messages, add_generation_prompt=req.add_generation_prompt)
+            return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(req.prompt or "")
+
+    # -------------------------------------------------------------- out
+
+    def on_outputs(self, outs: m.StepOutputs) -> tuple[list[m.TextDelta | m.RequestFailed], list[m.AbortRequest]]:
+        deltas: list[m.TextDelta | m.RequestFailed] = []
+        aborts: list[m.AbortRequest] = []
+        for out in outs.outputs:
+            p = self.pending.get(out.req_id)
+            if p is None:  # released (client gone) or already stopped by a stop string
+                continue
+            if out.error is not None:
+                del self.pending[out.req_id]
+                deltas.append(m.RequestFailed(out.req_id, 500, out.error, "internal_error"))
+                continue
+            text, stopped = p.output.push(out.token_ids)
+            finish = out.finish_reason
+            if stopped:
+                finish = "stop"
+                if out.finish_reason is None:
+                    aborts.append(m.AbortRequest(out.req_id, reason="stop"))
+            elif finish is not None:
+                tail, stopped_at_end = p.output.finish()
+                text += tail
+                finish = "stop" if stopped_at_end else finish
+            if finish == "abort":
+                del self.pending[out.req_id]
+                continue
+            p.num_output_tokens += len(out.token_ids)
+            deltas.append(m.TextDelta(
+                out.req_id, text, list(out.token_ids), finish, out.num_prompt_tokens, out.num_cached_tokens,
+                p.num_output_tokens, self._logprobs(out) if p.params.logprobs is not None else None))
+            if finish is not None:
+                del self.pending[out.req_id]
+        return deltas, aborts
+
+    def _logprobs(self, out: m.TokenOutput) -> list[dict[str, Any]] | None:
+        if out.logprobs is None:
+            return None
+        entries = []
+        for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=False)):
+            top = out.top_logprobs[i] if out.top_logprobs is not None and i < len(out.top_logprobs) else []
+            entries.append({
+                "token": self._token_text[tok], "logprob": lp, "bytes": list(self.token_bytes[tok]),
+                "top_logprobs": [{"token": self._token_text[int(t)], "logprob": float(v),
+                                  "bytes": list(self.token_bytes[int(t)])} for t, v in top],
+            })
+        return entries
+
+    def on_release(self, msg: m.ReleaseRequest) -> None:
+        self.pending.pop(msg.req_id, None)
+
+
+def run(config: StrideConfig, index: int) -> int:
+    """Process entry point of tokenizer ``index``."""
+    ctx = zmq.Context()
+    control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
+    try:
+        worker = TokenizerWorker(config, index, load_tokenizer(config.worker.tokenizer or config.worker.model))
+        inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.tokenizer_address(index),
+                                                m.TO_TOKENIZER + (m.Shutdown,))
+        to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
+        to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
+        control.put(m.ProcessReady("tokenizer", index, {
+            "eos_token_ids": list(worker.tok.eos_token_ids), "vocab_size": worker.tok.vocab_size}))
+        while True:
+            msg = inbox.get()
+            if isinstance(msg, m.Shutdown):
+                break
+            if isinstance(msg, m.GenerateRequest):
+                reply = worker.on_generate(msg)
+                (to_sched if isinstance(reply, m.TokenizedRequest) else to_front).put(reply)
+            elif isinstance(msg, m.StepOutputs):
+                deltas, aborts = worker.on_outputs(msg)
+                for a in aborts:
+                    to_sched.put(a)
+                for d in deltas:
+                    to_front.put(d)
+            elif isinstance(msg, m.ReleaseRequest):
+                worker.on_release(msg)
+        return 0
+    except Exception as e:
+        log.exception("tokenizer %d failed", index)
+        control.put(m.ProcessFailed("tokenizer", f"{type(e).__name__}: {e}", index))
+        return 1
+    finally:
+        ctx.destroy(linger=200)

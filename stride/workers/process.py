@@ -1,0 +1,153 @@
+"""The rank-worker process: runs the steps the scheduler sends and writes the sampled tokens back.
+
+Rank 0 pulls :class:`StepDescriptor` at ``worker_address``, reads the step's arrays from shared memory,
+runs the forward (or the simulated backend), samples, writes ``sampled_ids`` / logprobs into the
+step-output arrays and answers :class:`StepDone`. It makes no decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from stride.config import StrideConfig
+from stride.ipc import messages as m
+from stride.ipc.layouts import MAX_TOP_LOGPROBS, StepBuffers, StepLayout
+from stride.ipc.queues import PullQueue, PushQueue
+
+log = logging.getLogger(__name__)
+
+
+def _needs_history(params: Any) -> bool:
+    return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty)
+
+
+class ModelStepper:
+    """A real model: :class:`ModelRunner` for the forward, :class:`Sampler` for the tokens."""
+
+    def __init__(self, config: StrideConfig, progress: Any) -> None:
+        from stride.workers.runner import ModelRunner
+        from stride.workers.sampling import Sampler
+
+        self.runner = ModelRunner.from_config(config.worker, config.cache, config.scheduler, progress)
+        args = self.runner.args
+        self.num_blocks = self.runner.num_blocks
+        self.vocab_size = args.vocab_size
+        self.sampler = Sampler(config.scheduler.max_num_seqs, args.vocab_size,
+                               eos_token_ids=list(getattr(args, "eos_token_ids", ()) or ()),
+                               device=str(self.runner.device), seed=config.worker.seed)
+        # Penalised sequences see their prompt and earlier output only as the step inputs flow past;
+        # they join the sampler when they first sample.
+        self._history: dict[int, tuple[Any, int, list[int], list[int]]] = {}
+
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> None:
+        for slot in desc.finished_slots:
+            self._history.pop(slot, None)
+            if self.sampler.params(slot) is not None:
+                self.sampler.remove(slot)
+        for new in desc.new_seqs:
+            if _needs_history(new.params):
+                self._history[new.slot] = (new.params, new.prompt_len, [], [])
+            else:
+                self.sampler.add_sequence(new.slot, new.params, ())
+        n, t = desc.num_seqs, desc.num_tokens
+        if self._history:
+            self._collect(buf, n)
+        logits = self.runner.step(buf, t, n)
+        flags = buf.sample_flags[:n].astype(bool)
+        rows = np.flatnonzero(flags)
+        buf.sampled_ids[:n] = -1
+        if len(rows) == 0:
+            return
+        slots = buf.seq_slots[:n][rows].tolist()
+        for slot in slots:
+            if slot in self._history:
+                params, _, prompt, output = self._history.pop(slot)
+                self.sampler.add_sequence(slot, params, prompt, output)
+        res = self.sampler.sample(logits[rows], slots)
+        buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
+        if res.logprobs is not None:
+            buf.logprobs[rows] = res.logprobs.cpu().numpy()
+        if res.top_ids is not None and res.top_logprobs is not None:
+            k = min(res.top_ids.shape[1], MAX_TOP_LOGPROBS)
+            buf.top_ids[rows, :k] = res.top_ids[:, :k].cpu().numpy()
+            buf.top_logprobs[rows, :k] = res.top_logprobs[:, :k].cpu().numpy()
+
+    def _collect(self, buf: StepBuffers, n: int) -> None:
+        starts = np.concatenate([[0], np.cumsum(buf.query_lens[:n])])
+        for i, slot in enumerate(buf.seq_slots[:n].tolist()):
+            hist = self._history.get(slot)
+            if hist is None:
+                continue
+            _, prompt_len, prompt, output = hist
+            for tok, pos in zip(buf.token_ids[starts[i]:starts[i + 1]].tolist(),
+                                buf.positions[starts[i]:starts[i + 1]].tolist(), strict=True):
+                (prompt if pos < prompt_len else output).append(tok)
+
+
+class SimStepper:
+    """The simulated backend: modelled step time (planner cost model), deterministic tokens."""
+
+    def __init__(self, config: StrideConfig, vocab_size: int, eos_token_ids: list[int]) -> None:
+        from stride.planner.cost import StepCostModel
+        from stride.planner.geometry import load_geometry
+        from stride.planner.hardware import get_gpu
+        from stride.workers.sim_backend import SimBackend
+
+        geometry = load_geometry(config.worker.model)
+        cost = StepCostModel(geometry, get_gpu(config.worker.gpu), tp=config.worker.tensor_parallel_size)
+        self.vocab_size = vocab_size or geometry.vocab_size
+        self.num_blocks = config.cache.num_blocks
+        self.backend = SimBackend(config.scheduler.max_num_seqs, self.vocab_size,
+                                  eos_token_ids=eos_token_ids, step_time=cost.step_time)
+
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> None:
+        seconds = self.backend.run(desc, buf, buf.sampled_ids)
+        time.sleep(seconds)  # the modelled step takes its time, so the stack sees realistic latencies
+
+
+def run(config: StrideConfig, rank: int = 0, eos_token_ids: list[int] | None = None, vocab_size: int = 0) -> int:
+    """Process entry point of rank ``rank`` (only rank 0 exists until tensor parallelism lands)."""
+    ctx = zmq.Context()
+    control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
+    buf = None
+    try:
+        def progress(message: str, fraction: float) -> None:
+            control.put(m.Progress("worker", message, fraction))
+
+        stepper: ModelStepper | SimStepper
+        if config.worker.backend == "sim":
+            stepper = SimStepper(config, vocab_size, eos_token_ids or [])
+        else:
+            stepper = ModelStepper(config, progress)
+        inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.worker_address(), m.TO_WORKER)
+        to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
+        control.put(m.ProcessReady("worker", rank, {"num_blocks": stepper.num_blocks,
+                                                    "vocab_size": stepper.vocab_size}))
+        layout = StepLayout.from_config(config.scheduler, config.cache)
+        while True:
+            msg = inbox.get()
+            if isinstance(msg, m.Shutdown):
+                return 0
+            assert isinstance(msg, m.StepDescriptor)
+            if buf is None:  # the launcher makes the segments after this rank reported ready
+                buf = StepBuffers.attach(config.ipc, layout)
+            try:
+                stepper.run(msg, buf)
+            except Exception as e:  # the scheduler fails the requests and the launcher shuts down
+                log.exception("step %d failed", msg.step)
+                to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
+                raise
+            to_sched.put(m.StepDone(msg.step))
+    except Exception as e:
+        log.exception("worker rank %d failed", rank)
+        control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))
+        return 1
+    finally:
+        if buf is not None:
+            buf.close()
+        ctx.destroy(linger=200)
