@@ -202,7 +202,7 @@ def test_append_many_matches_append() -> None:
         many.append_many(slots, ids)
         many.mark_computed_many(slots, many.num_tokens_per_slot[slots])
         assert one.block_tables.tolist() == many.block_tables.tolist()
-        assert one._index == many._index
+        assert one._prefix._by_address == many._prefix._by_address
         many.assert_invariants(deep=True)
     with pytest.raises(ValueError, match="distinct"):
         many.append_many(np.array([0, 0]), np.array([1, 2]))
@@ -338,14 +338,14 @@ def _table_points_at_free_block(bm: BlockManager) -> None:
 
 
 def _cached_unindexed(bm: BlockManager) -> None:
-    h = bm._block_hash[3]
+    h = bm._prefix.address(3)
     assert h is not None
-    del bm._index[h]
-    bm._block_hash[3] = None
+    del bm._prefix._by_address[h]
+    bm._prefix._address_of[3] = None
 
 
 def _index_points_at_free(bm: BlockManager) -> None:
-    bm._index[b"\x01" * 16] = 5
+    bm._prefix._by_address[b"\x01" * 16] = 5
 
 
 def _slot_count(bm: BlockManager) -> None:

@@ -88,7 +88,7 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
         _fail(f"block {b} is {'live' if is_live[b] else 'not live'} with {counts[b]} references")
 
     # 5. Index <=> cached/live: every indexed block is live or cached, every cached block is indexed.
-    index, block_hashes = bm._index, bm._block_hash
+    index, block_hashes = bm._prefix._by_address, bm._prefix._address_of
     hashed = np.fromiter((h is not None for h in block_hashes), dtype=bool, count=n)
     indexed_ids = np.fromiter(index.values(), dtype=np.int64, count=len(index))
     if indexed_ids.size and (indexed_ids.min() < 0 or indexed_ids.max() >= n):
@@ -122,6 +122,6 @@ def _check_addresses(bm: BlockManager) -> None:
             _fail(f"slot {slot}: chain address after {num_hashed} blocks disagrees with its tokens")
         row = bm.block_tables[slot, :num_hashed].tolist()
         for i, (b, h) in enumerate(zip(row, want, strict=True)):
-            known = bm._block_hash[b]
+            known = bm._prefix.address(b)
             if known is not None and known != h:
                 _fail(f"slot {slot} block {i} (physical {b}) is indexed under another prefix's address")

@@ -31,6 +31,7 @@ import numpy as np
 from stride.sched.block_invariants import check_invariants
 from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet, NoFreeBlocksError
 from stride.sched.prefix_hash import TOKEN_DTYPE, as_token_array, block_hash, tenant_seed
+from stride.sched.prefix_index import PrefixIndex
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
 
@@ -67,9 +68,7 @@ class BlockManager:
         self._cached = EvictableLRU()
         self._live = LiveSet()
         self._ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: allocate, fork and free touch many at once
-        self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._index: dict[bytes, int] = {}
-        self._index_version = 0  # bumped on every index change; guards the can_allocate -> allocate memo
+        self._prefix = PrefixIndex(num_blocks)
         self._memo: _Match | None = None
 
         # Per slot. A slot is occupied iff its seed is not None.
@@ -94,7 +93,7 @@ class BlockManager:
         hits, last_hash = self._match(tenant, tokens)
         # allocate usually follows with the same prompt. Private copies keep a caller's later edit out.
         as_list = list(token_ids) if isinstance(token_ids, list) else None
-        self._memo = _Match(tenant, tokens.copy(), as_list, self._index_version, hits, last_hash)
+        self._memo = _Match(tenant, tokens.copy(), as_list, self._prefix.version, hits, last_hash)
         num_revived = int(np.count_nonzero(self._ref[hits] == 0))
         return need - len(hits) <= self._free.num + self._cached.num - num_revived
 
@@ -116,7 +115,7 @@ class BlockManager:
         if n == 0:
             raise ValueError("cannot allocate an empty prompt")
         need = self._blocks_for(n)
-        if (memo is not None and memo.tenant == tenant and memo.index_version == self._index_version
+        if (memo is not None and memo.tenant == tenant and memo.index_version == self._prefix.version
                 and (tokens is memo.tokens or np.array_equal(memo.tokens, tokens))):
             hits, last_hash = memo.hits, memo.last_hash  # just matched, and the index is unchanged
         else:
@@ -185,7 +184,7 @@ class BlockManager:
             step, last_hash = self.block_size * TOKEN_DTYPE.itemsize, self._last_hash
             for j, (slot, b) in enumerate(zip(one_slots.tolist(), blocks, strict=True)):
                 h = block_hash(last_hash[slot], data[j * step:(j + 1) * step])
-                self._index_block(slot, b, h)
+                self._prefix.add(b, h)
                 last_hash[slot] = h
         for slot, n in zip(slots[~one].tolist(), nums[~one].tolist(), strict=True):
             self._index_upto(slot, n)
@@ -350,22 +349,10 @@ class BlockManager:
         return seed
 
     def _match(self, tenant: str, tokens: np.ndarray) -> tuple[list[int], bytes]:
-        """The longest chain of indexed blocks matching ``tokens`` (never its last token's block)."""
-        h = self._tenant_seed(tenant)
-        hits: list[int] = []
+        seed = self._tenant_seed(tenant)
         if not self.enable_prefix_caching:
-            return hits, h
-        index = self._index
-        step = self.block_size * TOKEN_DTYPE.itemsize
-        data = tokens.tobytes()
-        for i in range((len(tokens) - 1) // self.block_size):
-            nh = block_hash(h, data[i * step:(i + 1) * step])
-            b = index.get(nh)
-            if b is None:
-                break
-            hits.append(b)
-            h = nh
-        return hits, h
+            return [], seed
+        return self._prefix.match(seed, tokens, self.block_size)
 
     def _take(self, count: int) -> np.ndarray:
         """``count`` blocks made live with ref count 1: free ones first, then evicted cached ones."""
@@ -375,13 +362,9 @@ class BlockManager:
         out = self._free.pop_many(from_free)
         if count > from_free:
             evicted = self._cached.pop_oldest_many(count - from_free)
-            index, block_hashes = self._index, self._block_hash
-            for b in evicted:
-                del index[block_hashes[b]]  # type: ignore[arg-type]  # a cached block is always indexed
-                block_hashes[b] = None
+            self._prefix.remove_many(evicted)
             out = np.concatenate((out, np.array(evicted, dtype=np.int64)))
             self._num_evictions += len(evicted)
-            self._index_version += 1
         self._live.add_many(out.tolist())
         self._ref[out] = 1
         return out
@@ -398,21 +381,8 @@ class BlockManager:
         h = self._last_hash[slot]
         for j, b in enumerate(self.block_tables[slot, first:num_full].tolist()):
             h = block_hash(h, data[j * step:(j + 1) * step])
-            self._index_block(slot, b, h)
+            self._prefix.add(b, h)
         self._last_hash[slot] = h
-
-    def _index_block(self, slot: int, b: int, h: bytes) -> None:
-        """Block ``b`` of ``slot`` is computed and has address ``h``: index it unless that content is."""
-        known = self._block_hash[b]
-        if known is not None:  # shared by a fork and indexed through the other sequence
-            if known != h:
-                raise AssertionError(f"block {b} has address {known.hex()}, slot {slot} says {h.hex()}")
-        elif h not in self._index:
-            self._index[h] = b
-            self._block_hash[b] = h
-            self._index_version += 1
-        # else: the same content was computed twice (two requests admitted together); this copy stays
-        # unindexed and goes to the free list when released.
 
     def _drop(self, slot: int) -> None:
         self._occupied(slot)
@@ -422,10 +392,10 @@ class BlockManager:
         self._ref[blocks] -= 1  # distinct within a row, so the fancy in-place update is exact
         gone = blocks[self._ref[blocks] == 0].tolist()
         if gone:
-            block_hashes = self._block_hash
+            address = self._prefix.address
             self._live.remove_many(gone)
-            self._cached.push_many([b for b in gone if block_hashes[b] is not None])
-            self._free.push_many([b for b in gone if block_hashes[b] is None])
+            self._cached.push_many([b for b in gone if address(b) is not None])
+            self._free.push_many([b for b in gone if address(b) is None])
         row[:nb] = -1
         self._num_tokens[slot] = 0
         self._num_table_blocks[slot] = 0

@@ -1,0 +1,66 @@
+"""The prefix index: content address -> physical block, for computed full blocks that are live or cached."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stride.sched.prefix_hash import TOKEN_DTYPE, block_hash
+
+
+class PrefixIndex:
+    """Maps each address to at most one block and each block to at most one address, both ways.
+
+    The block manager adds a block once ``mark_computed`` covers it and removes it only when it evicts the
+    block; so an indexed block is always live or cached, never free. ``version`` changes with every add or
+    remove, so a lookup result can be reused while the version is unchanged."""
+
+    __slots__ = ("_by_address", "_address_of", "version")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._by_address: dict[bytes, int] = {}
+        self._address_of: list[bytes | None] = [None] * num_blocks
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def address(self, block_id: int) -> bytes | None:
+        return self._address_of[block_id]
+
+    def match(self, seed: bytes, tokens: np.ndarray, block_size: int) -> tuple[list[int], bytes]:
+        """The longest chain of indexed blocks holding ``tokens``' leading full blocks, never the block of
+        its last token (recomputed so the model yields logits); and the address the chain ends on."""
+        by_address = self._by_address
+        step = block_size * TOKEN_DTYPE.itemsize
+        data = tokens.tobytes()
+        hits: list[int] = []
+        h = seed
+        for i in range((len(tokens) - 1) // block_size):
+            nh = block_hash(h, data[i * step:(i + 1) * step])
+            b = by_address.get(nh)
+            if b is None:
+                break
+            hits.append(b)
+            h = nh
+        return hits, h
+
+    def add(self, block_id: int, address: bytes) -> None:
+        """Block ``block_id`` is computed and has ``address``: index it unless that content already is."""
+        known = self._address_of[block_id]
+        if known is not None:  # shared by a fork and indexed through the other sequence
+            if known != address:
+                raise AssertionError(f"block {block_id} has address {known.hex()}, now {address.hex()}")
+        elif address not in self._by_address:
+            self._by_address[address] = block_id
+            self._address_of[block_id] = address
+            self.version += 1
+        # else: the same content was computed twice (two requests admitted together); this copy stays
+        # unindexed and goes to the free list when released.
+
+    def remove_many(self, block_ids: list[int]) -> None:
+        """Forget evicted blocks (each must be indexed)."""
+        by_address, address_of = self._by_address, self._address_of
+        for b in block_ids:
+            del by_address[address_of[b]]  # type: ignore[arg-type]
+            address_of[b] = None
+        self.version += 1
