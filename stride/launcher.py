@@ -12,6 +12,7 @@ stdin: nothing is pickled.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -210,6 +211,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks on CPU or with the simulated backend (a GPU sizes its cache itself)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--trace", default="", help="record the scheduler's decisions to this JSON-lines file")
+    p.add_argument("--address-file", default="",
+                   help="once serving, write the client-library address and HTTP URL here as JSON "
+                        "(removed at shutdown); see stride.client.Client.from_address_file")
 
 
 def config_from_args(args: argparse.Namespace) -> StrideConfig:
@@ -236,6 +240,18 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
     )
 
 
+def write_address_file(path: str, launch: Launch) -> None:
+    """Where a started launch can be reached, as JSON; written whole (rename) so a reader never sees half."""
+    cfg = launch.config
+    body = {"client_address": cfg.ipc.client_address(), "http_url": f"http://{cfg.server.host}:{launch.port}",
+            "model": launch.info[("frontend", 0)].get("model", ""), "shm_prefix": cfg.ipc.shm_prefix,
+            "pid": os.getpid()}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(body))
+    os.replace(tmp, path)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -250,14 +266,21 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     launch = None
+    wrote_address = False
     try:
         launch = Launch(config, trace_path=args.trace)
         launch.start()
+        if args.address_file:
+            write_address_file(args.address_file, launch)
+            wrote_address = True
         return launch.watch(stop)
     except LaunchError as e:
         print(f"stride serve: {e}", file=sys.stderr)
         return 1
     finally:
+        if wrote_address:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(args.address_file)
         if launch is not None:
             launch.close()
         else:
