@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from stride import env
 
@@ -140,7 +141,7 @@ def gate(
         _poison_allocator(device, sum(r.numel() for r in (ref if isinstance(ref, tuple) else (ref,))) * 8)
         try:
             out = candidate.run(problem)
-        except (AssertionError, RuntimeError, ValueError) as exc:
+        except (AssertionError, RuntimeError, ValueError, OutOfResources) as exc:  # e.g. too much shared memory
             return GateResult(False, float("inf"), f"{gshape}: raised {type(exc).__name__}: {exc}")
         result = compare(out, ref)
         if not result.ok:

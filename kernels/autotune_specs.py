@@ -126,7 +126,7 @@ def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) 
 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
-             for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4) for st in (3, 4)
+             for bn in (64, 128) for bk in (32, 64) for sk in (1, 2, 4) for st in (2, 3)
              if shape.k // (sk * bk) >= 2]
     gemv = [wq.W4A16Config(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
             for bn in (32, 64, 128) for bk in (256, 512) for sk in (1, 2, 4, 8) for w in (4, 8)

@@ -49,7 +49,7 @@ class W4A16Config:
 
     block_m: int = 16
     block_n: int = 64
-    block_k: int = 256
+    block_k: int = 64
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
@@ -64,8 +64,9 @@ def default_config(m: int, n: int, k: int) -> W4A16Config:
     split_k = 1
     while tiles * split_k < 264 and k // (split_k * 2) >= 512:
         split_k *= 2
-    return W4A16Config(block_m=1 if gemv else 16, block_n=block_n, block_k=256, split_k=split_k, num_warps=4,
-                       num_stages=3, gemv=gemv)
+    # Tile steps stay small: every stage holds (block_k, block_n) words, scales and mins in shared memory.
+    return W4A16Config(block_m=1 if gemv else 16, block_n=block_n, block_k=256 if gemv else 64,
+                       split_k=split_k, num_warps=4, num_stages=3, gemv=gemv)
 
 
 @triton.jit
@@ -104,7 +105,9 @@ def _w4a16_kernel(
             x_sum = tl.zeros([WORDS], tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x_row + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-                dot_codes += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[:, None]
+                # code | 0x4B000000 is the float 2^23 + code: exact, and cheaper than an int-to-float convert.
+                code = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                dot_codes += code * xj[:, None]
                 x_sum += xj
             acc2 += sc * dot_codes + mn * x_sum[:, None]
         acc = tl.sum(acc2, axis=0)[None, :]

@@ -121,7 +121,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
         if s.m <= 2:
             return [wq.W4A16Config(1, bn, bk, sk, 4, 3, gemv=True) for bn in (32, 64, 128) for bk in (256, 512)
                     for sk in (1, 2, 4, 8) if s.k // (sk * bk) >= 2]
-        return [wq.W4A16Config(16, bn, bk, sk, 4, 3) for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4)
+        return [wq.W4A16Config(16, bn, bk, sk, 4, 3) for bn in (64, 128) for bk in (32, 64) for sk in (1, 2, 4)
                 if s.k // (sk * bk) >= 2]
 
     spec = dataclasses.replace(specs.W4A16, space=space)

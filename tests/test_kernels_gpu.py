@@ -73,7 +73,7 @@ def test_w4a16_at_8b_shapes(m, n, k):
     w = random_weight(n, k, device=CUDA, seed=m)
     x = torch.randn(m, k, device=CUDA).bfloat16()
     ref = x.float() @ dequantize(w).t()
-    for cfg in (None, W4A16Config(block_n=128, block_k=128, split_k=1), W4A16Config(block_n=64, split_k=4),
+    for cfg in (None, W4A16Config(block_n=128, block_k=32, split_k=1), W4A16Config(block_n=64, block_k=64, split_k=4),
                 W4A16Config(block_n=32, block_k=512, split_k=8, gemv=True), W4A16Config(block_n=64, gemv=True)):
         out = w4a16_matmul(x, w, cfg)
         assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
@@ -94,6 +94,6 @@ def test_gate_rejects_broken_variants_when_compiled():
         assert not gate(PAGED_DECODE, broken_off_by_one_mask(cfg), shape, CUDA).ok
         assert not gate(PAGED_DECODE, broken_block_table_stride(cfg), shape, CUDA).ok
     gshape = GemmShape(4, 4096, 4096)
-    assert gate(W4A16, W4A16.candidate(W4A16Config(split_k=2)), gshape, CUDA).ok
-    assert not gate(W4A16, broken_dropped_scale(W4A16Config(split_k=2)), gshape, CUDA).ok
+    assert gate(W4A16, W4A16.candidate(W4A16Config(block_k=64, split_k=2)), gshape, CUDA).ok
+    assert not gate(W4A16, broken_dropped_scale(W4A16Config(block_k=64, split_k=2)), gshape, CUDA).ok
     assert not gate(W4A16, broken_dropped_scale(), dataclasses.replace(gshape, m=1), CUDA).ok
