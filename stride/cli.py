@@ -17,7 +17,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("stride.sched.simulate", "run a synthetic workload through the scheduler in logical time"),
     "replay": ("stride.sched.replay", "replay a recorded scheduler trace and report the first divergence"),
     "bench": ("stride.bench", "load-test an OpenAI-compatible endpoint"),
-    "diagnose": ("stride.workers.diagnose", "compare two model runs layer by layer; report the first divergence"),
 }
 
 

@@ -21,7 +21,8 @@ Only the first ``num_seqs`` rows / ``num_tokens`` entries named by the step's :c
 meaningful. Reuse rule: the loop is synchronous, so the scheduler writes step ``k+1`` only after rank 0's
 :class:`StepDone` for step ``k`` arrived, and the worker reads step ``k+1`` only after the descriptor for it
 arrived; rank 0 writes outputs before sending StepDone. A block-table row may be rewritten only for a
-sequence that is not in the step in flight. The scheduler process creates (and alone unlinks) every segment.
+sequence that is not in the step in flight. The launcher creates (and alone unlinks) every segment; the
+scheduler and the ranks attach.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class StepLayout:
 
 
 class StepBuffers:
-    """Every array of :class:`StepLayout`, created by the scheduler or attached by a worker."""
+    """Every array of :class:`StepLayout`, created by the launcher or attached by the scheduler and ranks."""
 
     def __init__(self, arrays: dict[str, SharedArray]) -> None:
         self._arrays = arrays

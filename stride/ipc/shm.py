@@ -2,8 +2,8 @@
 
 One :class:`SharedArray` is one segment holding one C-contiguous array. The creator owns the segment and
 is the only one that unlinks it; an attacher maps the same memory (no copy: a write after attach is seen
-by both) and only closes its mapping. Attachers are never registered with Python's resource tracker, so
-an attaching process that exits cannot unlink, or warn about, a segment it does not own.
+by both) and only closes its mapping. No mapping is registered with Python's resource tracker, so a
+process that exits cannot unlink, or warn about, a segment it does not own.
 
 Each launch prefixes its segment names with ``stride-<launch_id>-`` (:meth:`IpcConfig.shm_name`), so
 :func:`remove_launch_segments` can clear a crashed launch without knowing which segments it had made.
@@ -11,9 +11,9 @@ Each launch prefixes its segment names with ``stride-<launch_id>-`` (:meth:`IpcC
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # CPython's shm_open/shm_unlink (POSIX only)
+import mmap
 import os
-import sys
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
@@ -24,20 +24,33 @@ SHM_DIR = "/dev/shm"
 class SharedArray:
     """A numpy view over a named shared-memory segment. Use :meth:`create` or :meth:`attach`."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, shape: tuple[int, ...], dtype: Any,
-                 owner: bool) -> None:
-        self._shm: shared_memory.SharedMemory | None = shm
-        self.name = shm.name
+    def __init__(self, name: str, buf: mmap.mmap, shape: tuple[int, ...], dtype: Any, owner: bool) -> None:
+        self.name = name
         self.owner = owner
-        self.array: np.ndarray = np.ndarray(shape, dtype=np.dtype(dtype), buffer=shm.buf)
+        self._buf: mmap.mmap | None = buf
+        self.array: np.ndarray = np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf)
+
+    @staticmethod
+    def _map(name: str, flags: int, nbytes: int | None) -> mmap.mmap:
+        # shm_open directly, not multiprocessing.shared_memory: that one registers every mapping with a
+        # resource tracker, which a spawned child shares with its parent and which then unlinks or warns
+        # about segments the child never owned. Crash cleanup is remove_launch_segments' job instead.
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:
+            if nbytes is not None:
+                os.ftruncate(fd, nbytes)
+            size = os.fstat(fd).st_size
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
 
     @classmethod
     def create(cls, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float | None = 0
                ) -> SharedArray:
         """Make a new segment (fails if ``name`` exists) and, unless ``fill`` is None, fill it."""
         nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-        shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-        out = cls(shm, shape, dtype, owner=True)
+        buf = cls._map(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, nbytes)
+        out = cls(name, buf, shape, dtype, owner=True)
         if fill is not None:
             out.array.fill(fill)
         return out
@@ -45,29 +58,27 @@ class SharedArray:
     @classmethod
     def attach(cls, name: str, shape: tuple[int, ...], dtype: Any) -> SharedArray:
         """Map an existing segment; the shape and dtype must fit in it."""
-        if sys.version_info >= (3, 13):
-            shm = shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
-        else:
-            shm = shared_memory.SharedMemory(name=name, create=False)
-            # 3.11/3.12 register attachers too; the tracker would unlink the owner's segment at our exit.
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        buf = cls._map(name, os.O_RDWR, None)
         need = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if shm.size < need:
-            shm.close()
-            raise ValueError(f"segment {name} has {shm.size} bytes, layout needs {need}")
-        return cls(shm, shape, dtype, owner=False)
+        if len(buf) < need:
+            buf.close()
+            raise ValueError(f"segment {name} has {len(buf)} bytes, layout needs {need}")
+        return cls(name, buf, shape, dtype, owner=False)
 
     def close(self) -> None:
         """Drop this process's mapping; the owner also unlinks the segment. Safe to call twice."""
-        if self._shm is None:
+        if self._buf is None:
             return
-        shm, self._shm = self._shm, None
+        buf, self._buf = self._buf, None
         # The numpy view must go before the mapping can be released.
         self.array = np.empty(0, dtype=self.array.dtype)
-        shm.close()
+        try:
+            buf.close()
+        except BufferError:  # someone still holds a view: the mapping goes when they do
+            pass
         if self.owner:
             try:
-                shm.unlink()
+                _posixshmem.shm_unlink("/" + self.name)
             except FileNotFoundError:
                 pass
 
