@@ -1,0 +1,162 @@
+"""End-to-end test support: a real ``stride serve`` launch in a subprocess, and what is left of it.
+
+:class:`StrideServer` starts the launcher with ``--port 0``, reads the bound port, the runtime directory
+and the launch id from its stderr, and stops it with SIGTERM. The process tree, the shared-memory
+segments (``/dev/shm/stride-<launch>-*``) and the runtime directory are found through ``/proc`` and the
+file system, so a test can check that nothing survives a shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+_SERVING = re.compile(r"serving (\S+) on http://([\d.]+):(\d+) .*client library: ipc://(\S+)/client\.sock")
+
+
+class StrideServer:
+    """``python -m stride serve --port 0 ARGS`` as a context manager; stderr is kept in :attr:`log`."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = ["--port", "0", *args]
+        self.log: list[str] = []
+        self.proc: subprocess.Popen[str] | None = None
+        self.model = ""
+        self.url = ""
+        self.run_dir = ""
+        self.launch_id = ""
+
+    # -------------------------------------------------------------- life
+
+    def start(self) -> StrideServer:
+        env = dict(os.environ, STRIDE_LOG_LEVEL="WARNING")
+        self.proc = subprocess.Popen([sys.executable, "-m", "stride", "serve", *self.args], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        ready = threading.Event()
+        threading.Thread(target=self._read_stderr, args=(ready,), daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("stride serve did not come up:\n" + self.tail())
+        return self
+
+    def _read_stderr(self, ready: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:  # read to the end, so the pipe never fills and blocks the launcher
+            self.log.append(line.rstrip("\n"))
+            found = _SERVING.search(line)
+            if found:
+                self.model, host, port, self.run_dir = found[1], found[2], found[3], found[4]
+                self.url = f"http://{host}:{port}"
+                self.launch_id = Path(self.run_dir).name.split("-")[1]
+                ready.set()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM and wait; a launcher that does not exit in time is killed with its children (and the
+        test that relied on an orderly stop fails on :meth:`leftovers`). Returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for pid in self.child_pids():
+                _kill(pid)
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def __enter__(self) -> StrideServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log[-n:])
+
+    # -------------------------------------------------------------- what runs, what is left
+
+    def child_pids(self) -> dict[str, int]:
+        """``{"worker 0": pid, "tokenizer 1": pid, ...}``: the launcher's live children, from /proc."""
+        assert self.proc is not None
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # exited while we looked
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            state = stat.rsplit(")", 1)[1].split()[0]
+            if ppid == self.proc.pid and state != "Z" and b"--child" in cmd:
+                i = cmd.index(b"--child")
+                out[f"{cmd[i + 1].decode()} {cmd[i + 2].decode()}"] = int(entry.name)
+        return out
+
+    def shm_segments(self) -> list[str]:
+        return sorted(p.name for p in Path("/dev/shm").glob(f"stride-{self.launch_id}-*"))
+
+    def leftovers(self) -> list[str]:
+        """Every process, segment or runtime directory of this launch still present."""
+        assert self.launch_id, "the launch never reported its id"
+        left = [f"process {name} (pid {pid})" for name, pid in self.child_pids().items()]
+        left += [f"/dev/shm/{name}" for name in self.shm_segments()]
+        if os.path.exists(self.run_dir):
+            left.append(self.run_dir)
+        return left
+
+    # -------------------------------------------------------------- HTTP
+
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def post(self, path: str, body: str | bytes | dict[str, Any], *, method: str = "POST",
+             headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        data = data.encode() if isinstance(data, str) else data
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus metric's samples on ``/metrics`` (0 when absent)."""
+        status, text = self.get("/metrics")
+        assert status == 200, text
+        total = 0.0
+        for line in text.decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
