@@ -30,6 +30,8 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("gemv", [False, True])
 def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
+    if gemv and m > 5:
+        pytest.skip("the GEMV path serves decode rows; one program per row is slow under the interpreter")
     gen = torch.Generator().manual_seed(m * n + k)
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
     x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
