@@ -46,6 +46,49 @@ def bench_over(fn: Callable[[Any], object], items: list) -> float:
     return bench_ms(lambda: fn(items[next(counter) % len(items)]))
 
 
+def graph_over(fn: Callable[[Any], object], items: list, calls: int = 24) -> float:
+    """Like :func:`bench_over`, but ``calls`` calls captured in one CUDA graph: no Python launch cost."""
+    for item in items[:2]:
+        fn(item)  # compile, allocate lazily-made buffers outside the capture
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(items[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(max(calls, len(items))):
+            fn(items[i % len(items)])
+    return bench_ms(graph.replay) / max(calls, len(items))
+
+
+def sweep_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+    """M=1 GEMV configs timed both ways, to separate the kernel from the Python launcher."""
+    cfgs = [wq.W4A16Config(1, bn, bk, sk, 4, 3, gemv=True) for bn in (32, 64, 128) for bk in (256, 512)
+            for sk in (1, 4, 8)]
+    rows = []
+    print("\nW4A16 M=1 sweep: plain launches vs CUDA-graph replay (us)")
+    print(f"{'proj':>8} {'bf16':>6} {'bf16 g':>6} {'w4':>6} {'w4 g':>6} {'x':>5} {'x g':>5}  best graph config")
+    for name, (n, k) in GEMM_SHAPES.items():
+        w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
+        ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+        wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
+                     n * k * 2, rotate_bytes)
+        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+        bf, bf_g = bench_over(partial(F.linear, x), wbf), graph_over(partial(F.linear, x), wbf)
+        timed = [(bench_over(partial(_w4_run, x, c), ws), graph_over(partial(_w4_run, x, c), ws), c) for c in cfgs]
+        plain = min(t[0] for t in timed)
+        best_g = min(timed, key=lambda t: t[1])
+        c = best_g[2]
+        rows.append({"proj": name, "bf16_us": bf * 1e3, "bf16_graph_us": bf_g * 1e3, "w4_us": plain * 1e3,
+                     "w4_graph_us": best_g[1] * 1e3, "config": dataclasses.asdict(c),
+                     "all": [(t[0] * 1e3, t[1] * 1e3, dataclasses.asdict(t[2])) for t in timed]})
+        print(f"{name:>8} {bf * 1e3:>6.1f} {bf_g * 1e3:>6.1f} {plain * 1e3:>6.1f} {best_g[1] * 1e3:>6.1f} "
+              f"{bf / plain:>5.2f} {bf_g / best_g[1]:>5.2f}  bn{c.block_n} bk{c.block_k} sk{c.split_k}")
+    results["w4a16_sweep"] = rows
+
+
 def copies(make: Callable[[int], Any], nbytes: int, rotate_bytes: int) -> list:
     return [make(i) for i in range(max(1, math.ceil(rotate_bytes / nbytes)))]
 
@@ -209,7 +252,7 @@ def main() -> int:
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
-             "w4a16": bench_w4a16, "rows": bench_rows_kernel}
+             "w4a16": bench_w4a16, "rows": bench_rows_kernel, "w4sweep": sweep_w4a16}
     for part in args.parts.split(","):
         t0 = time.time()
         parts[part](results, cache, rotate, not args.no_tune)
