@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stride.sched.block_manager import BlockManager, NoFreeBlocksError
-from stride.sched.prefix_hash import chain_hashes, tenant_seed
+from stride.sched.prefix_hash import ChainMemo, chain_hashes, tenant_seed
 
 BS = 4
 SYSTEM = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks
@@ -348,6 +348,10 @@ def _index_points_at_free(bm: BlockManager) -> None:
     bm._prefix._by_address[b"\x01" * 16] = 5
 
 
+def _index_mask_drift(bm: BlockManager) -> None:
+    bm._prefix.indexed[4] = True  # free block 4 would be cached when released, though it has no address
+
+
 def _slot_count(bm: BlockManager) -> None:
     bm._num_tokens[0] += 4
 
@@ -368,6 +372,7 @@ def _slot_count(bm: BlockManager) -> None:
     (_cached_unindexed, "cached block 3 is not indexed"),
     (_index_points_at_free, "in the index xor"),
     (_slot_count, "slot 0 has 3 blocks for 13 tokens"),
+    (_index_mask_drift, "block 4: the index's mask disagrees"),
 ])
 def test_invariant_check_catches_corruption(corrupt, message) -> None:  # type: ignore[no-untyped-def]
     bm = healthy()
@@ -382,3 +387,27 @@ def test_deep_check_catches_content_that_disagrees_with_its_address() -> None:
     bm.assert_invariants()  # the shallow check does not read tokens
     with pytest.raises(AssertionError, match="slot 1: chain address"):
         bm.assert_invariants(deep=True)
+
+
+def test_chain_memo_knows_only_equal_leading_blocks() -> None:
+    seed, other = tenant_seed("acme"), tenant_seed("globex")
+    memo = ChainMemo(BS, max_entries=2)
+    base = np.arange(100, 100 + 6 * BS, dtype=np.int32)
+    memo.remember(seed, base, chain_hashes(seed, base, BS, 5))
+    assert memo.known(seed, base) == chain_hashes(seed, base, BS, 5)
+    changed = base.copy()
+    changed[2 * BS + 1] = 7  # block 2 differs: blocks 0 and 1 only
+    assert memo.known(seed, changed) == chain_hashes(seed, base, BS, 2)
+    assert memo.known(seed, base[:2 * BS + 1]) == chain_hashes(seed, base, BS, 2)  # full blocks only
+    assert memo.known(other, base) == []  # another tenant's seed: nothing
+    changed[0] = 7
+    assert memo.known(seed, changed) == []  # first block differs
+    # A shorter chain with the same first block does not replace a longer one.
+    memo.remember(seed, base, chain_hashes(seed, base, BS, 3))
+    assert len(memo.known(seed, base)) == 5
+    # Control for the cap: two other prompts push the first out.
+    for k in (1, 2):
+        p = np.arange(k * 1000, k * 1000 + 3 * BS, dtype=np.int32)
+        memo.remember(seed, p, chain_hashes(seed, p, BS, 3))
+        assert memo.known(seed, p) == chain_hashes(seed, p, BS, 3)
+    assert memo.known(seed, base) == []

@@ -106,6 +106,10 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
         _fail(f"indexed block {int(np.nonzero(hashed & is_free)[0][0])} is on the free list")
     if (is_cached & ~hashed).any():
         _fail(f"cached block {int(np.nonzero(is_cached & ~hashed)[0][0])} is not indexed")
+    # The mask free() reads to split freed blocks into cached and free must agree with the addresses.
+    if (bm._prefix.indexed != hashed).any():
+        _fail(f"block {int(np.nonzero(bm._prefix.indexed != hashed)[0][0])}: the index's mask disagrees "
+              "with its addresses")
 
     if deep:
         _check_addresses(bm)

@@ -24,13 +24,14 @@ that cross a block boundary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from hashlib import blake2b
 from typing import NamedTuple
 
 import numpy as np
 
 from stride.sched.block_invariants import check_invariants
 from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet, NoFreeBlocksError
-from stride.sched.prefix_hash import TOKEN_DTYPE, as_token_array, block_hash, tenant_seed
+from stride.sched.prefix_hash import DIGEST_SIZE, TOKEN_DTYPE, ChainMemo, as_token_array, chain_from, tenant_seed
 from stride.sched.prefix_index import PrefixIndex
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
@@ -66,10 +67,11 @@ class BlockManager:
 
         self._free = FreeList(num_blocks)
         self._cached = EvictableLRU()
-        self._live = LiveSet()
+        self._live = LiveSet(num_blocks)
         self._ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: allocate, fork and free touch many at once
         self._prefix = PrefixIndex(num_blocks)
         self._memo: _Match | None = None
+        self._chains = ChainMemo(block_size)
 
         # Per slot. A slot is occupied iff its seed is not None.
         self._seed: list[bytes | None] = [None] * max_num_seqs
@@ -182,9 +184,11 @@ class BlockManager:
             blocks = self.block_tables[one_slots, one_first].tolist()
             self._num_hashed[one_slots] = one_first + 1
             step, last_hash = self.block_size * TOKEN_DTYPE.itemsize, self._last_hash
-            for j, (slot, b) in enumerate(zip(one_slots.tolist(), blocks, strict=True)):
-                h = block_hash(last_hash[slot], data[j * step:(j + 1) * step])
-                self._prefix.add(b, h)
+            one_list = one_slots.tolist()
+            hashes = [blake2b(last_hash[slot] + data[i:i + step], digest_size=DIGEST_SIZE).digest()
+                      for slot, i in zip(one_list, range(0, len(data), step), strict=True)]
+            self._prefix.add_many(blocks, hashes)
+            for slot, h in zip(one_list, hashes, strict=True):
                 last_hash[slot] = h
         for slot, n in zip(slots[~one].tolist(), nums[~one].tolist(), strict=True):
             self._index_upto(slot, n)
@@ -352,7 +356,12 @@ class BlockManager:
         seed = self._tenant_seed(tenant)
         if not self.enable_prefix_caching:
             return [], seed
-        return self._prefix.match(seed, tokens, self.block_size)
+        known = self._chains.known(seed, tokens)
+        hits, last_hash, hashes = self._prefix.match(seed, tokens, self.block_size, known)
+        # Worth remembering only a chain that reaches indexed blocks and learned something new.
+        if hits and len(hashes) > len(known):
+            self._chains.remember(seed, tokens, hashes)
+        return hits, last_hash
 
     def _take(self, count: int) -> np.ndarray:
         """``count`` blocks made live with ref count 1: free ones first, then evicted cached ones."""
@@ -365,7 +374,7 @@ class BlockManager:
             self._prefix.remove_many(evicted)
             out = np.concatenate((out, np.array(evicted, dtype=np.int64)))
             self._num_evictions += len(evicted)
-        self._live.add_many(out.tolist())
+        self._live.add_many(out)
         self._ref[out] = 1
         return out
 
@@ -376,26 +385,25 @@ class BlockManager:
         bs = self.block_size
         first, num_full = int(self._num_hashed[slot]), num_computed_tokens // bs
         self._num_hashed[slot] = num_full
-        step = bs * TOKEN_DTYPE.itemsize
         data = self._tokens[slot, first * bs:num_full * bs].tobytes()
-        h = self._last_hash[slot]
-        for j, b in enumerate(self.block_tables[slot, first:num_full].tolist()):
-            h = block_hash(h, data[j * step:(j + 1) * step])
-            self._prefix.add(b, h)
-        self._last_hash[slot] = h
+        hashes = chain_from(self._last_hash[slot], data, bs * TOKEN_DTYPE.itemsize)
+        if hashes:
+            self._prefix.add_many(self.block_tables[slot, first:num_full].tolist(), hashes)
+            self._last_hash[slot] = hashes[-1]
 
     def _drop(self, slot: int) -> None:
         self._occupied(slot)
         nb = int(self._num_table_blocks[slot])
         row = self.block_tables[slot]
-        blocks = row[:nb][::-1].copy()  # tail first: evicted before its head
+        blocks = row[nb - 1::-1] if nb else row[:0]  # tail first: evicted before its head
+        blocks = blocks.astype(np.intp)  # a copy, before the row is cleared
         self._ref[blocks] -= 1  # distinct within a row, so the fancy in-place update is exact
-        gone = blocks[self._ref[blocks] == 0].tolist()
-        if gone:
-            address = self._prefix.address
+        gone = blocks[self._ref[blocks] == 0]
+        if gone.size:
+            indexed = self._prefix.indexed[gone]
             self._live.remove_many(gone)
-            self._cached.push_many([b for b in gone if address(b) is not None])
-            self._free.push_many([b for b in gone if address(b) is None])
+            self._cached.push_many(gone[indexed].tolist())
+            self._free.push_many(gone[~indexed])
         row[:nb] = -1
         self._num_tokens[slot] = 0
         self._num_table_blocks[slot] = 0

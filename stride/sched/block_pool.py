@@ -46,7 +46,7 @@ class FreeList:
         self._put(np.array([block_id], dtype=np.int64))
         self.num += 1
 
-    def push_many(self, block_ids: list[int]) -> None:
+    def push_many(self, block_ids: np.ndarray | list[int]) -> None:
         self._put(np.asarray(block_ids, dtype=np.int64))
         self.num += len(block_ids)
 
@@ -123,34 +123,36 @@ class EvictableLRU:
 
 
 class LiveSet:
-    """Blocks referenced by at least one block table. Owns ``num_live``."""
+    """Blocks referenced by at least one block table, as a membership mask (bulk adds and removes are one
+    fancy assignment). Owns ``num_live``; a block added twice shows up as ``num`` != ``size()``."""
 
-    __slots__ = ("_blocks", "num")
+    __slots__ = ("_mask", "num")
 
-    def __init__(self) -> None:
-        self._blocks: set[int] = set()
+    def __init__(self, capacity: int) -> None:
+        self._mask = np.zeros(capacity, dtype=bool)
         self.num = 0
 
     def add(self, block_id: int) -> None:
-        self._blocks.add(block_id)
+        self._mask[block_id] = True
         self.num += 1
 
-    def add_many(self, block_ids: list[int]) -> None:
-        self._blocks.update(block_ids)
+    def add_many(self, block_ids: np.ndarray | list[int]) -> None:
+        self._mask[block_ids] = True
         self.num += len(block_ids)
 
-    def remove_many(self, block_ids: list[int]) -> None:
-        self._blocks.difference_update(block_ids)
+    def remove_many(self, block_ids: np.ndarray | list[int]) -> None:
+        self._mask[block_ids] = False
         self.num -= len(block_ids)
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._blocks
+        return bool(self._mask[block_id])
 
     def size(self) -> int:
-        return len(self._blocks)
+        return int(np.count_nonzero(self._mask))
 
     def block_ids(self) -> list[int]:
-        return list(self._blocks)
+        ids: list[int] = np.flatnonzero(self._mask).tolist()
+        return ids
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ address is identical across processes, runs and machines -- unlike Python's salt
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -51,6 +52,17 @@ def block_hash(prev_hash: bytes, block_bytes: bytes) -> bytes:
     return blake2b(prev_hash + block_bytes, digest_size=DIGEST_SIZE).digest()
 
 
+def chain_from(prev_hash: bytes, data: bytes, step: int) -> list[bytes]:
+    """Addresses of the consecutive blocks encoded in ``data`` (``step`` bytes each), chained onto
+    ``prev_hash``: :func:`block_hash` inlined, since this loop is the per-block cost of indexing."""
+    out: list[bytes] = []
+    h = prev_hash
+    for i in range(0, len(data), step):
+        h = blake2b(h + data[i:i + step], digest_size=DIGEST_SIZE).digest()
+        out.append(h)
+    return out
+
+
 def chain_hashes(seed: bytes, tokens: np.ndarray, block_size: int, num_blocks: int) -> list[bytes]:
     """Addresses of the first ``num_blocks`` full blocks of ``tokens`` (a reference for checks and tests)."""
     data = np.ascontiguousarray(tokens[:num_blocks * block_size], dtype=TOKEN_DTYPE).tobytes()
@@ -61,3 +73,50 @@ def chain_hashes(seed: bytes, tokens: np.ndarray, block_size: int, num_blocks: i
         h = block_hash(h, data[i * step:(i + 1) * step])
         out.append(h)
     return out
+
+
+class ChainMemo:
+    """Addresses of recently matched prompt prefixes, so a prompt that opens like a recent one of the same
+    tenant (a system prompt, an earlier turn) takes those addresses without hashing them again.
+
+    One entry per (seed, first block), least recently used dropped past ``max_entries``; the longer chain
+    wins when two share a first block. Exact by construction: an address is a pure function of the seed
+    and the tokens, and an entry is only used for the leading blocks whose tokens equal the new prompt's
+    (one vector compare)."""
+
+    __slots__ = ("_block_size", "_max_entries", "_entries")
+
+    def __init__(self, block_size: int, max_entries: int = 256) -> None:
+        self._block_size = block_size
+        self._max_entries = max_entries
+        self._entries: OrderedDict[bytes, tuple[np.ndarray, list[bytes]]] = OrderedDict()
+
+    def _key(self, seed: bytes, tokens: np.ndarray) -> bytes | None:
+        if len(tokens) < self._block_size:
+            return None
+        return seed + tokens[:self._block_size].tobytes()
+
+    def known(self, seed: bytes, tokens: np.ndarray) -> list[bytes]:
+        """The addresses of ``tokens``' leading full blocks that the memo knows (a new list)."""
+        key = self._key(seed, tokens)
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            return []
+        self._entries.move_to_end(key)  # type: ignore[arg-type]
+        toks, hashes = entry
+        m = min(len(toks), len(tokens) // self._block_size * self._block_size)
+        diff = np.flatnonzero(toks[:m] != tokens[:m])
+        return hashes[:(int(diff[0]) if diff.size else m) // self._block_size]
+
+    def remember(self, seed: bytes, tokens: np.ndarray, hashes: list[bytes]) -> None:
+        """``hashes`` are the addresses of ``tokens``' first ``len(hashes)`` blocks."""
+        key = self._key(seed, tokens)
+        if key is None or not hashes:
+            return
+        old = self._entries.get(key)
+        if old is not None and len(old[1]) >= len(hashes):
+            return  # it knows as many blocks (a prompt diverging later would only trade one for another)
+        self._entries[key] = (tokens[:len(hashes) * self._block_size].copy(), list(hashes))
+        self._entries.move_to_end(key)
+        if len(self._entries) > self._max_entries:
+            self._entries.popitem(last=False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from hashlib import blake2b
+
 import numpy as np
 
-from stride.sched.prefix_hash import TOKEN_DTYPE, block_hash
+from stride.sched.prefix_hash import DIGEST_SIZE, TOKEN_DTYPE
 
 
 class PrefixIndex:
@@ -12,13 +14,15 @@ class PrefixIndex:
 
     The block manager adds a block once ``mark_computed`` covers it and removes it only when it evicts the
     block; so an indexed block is always live or cached, never free. ``version`` changes with every add or
-    remove, so a lookup result can be reused while the version is unchanged."""
+    remove, so a lookup result can be reused while the version is unchanged. ``indexed`` mirrors
+    ``address(b) is not None`` as a bool array, for vector reads when many blocks are freed at once."""
 
-    __slots__ = ("_by_address", "_address_of", "version")
+    __slots__ = ("_by_address", "_address_of", "indexed", "version")
 
     def __init__(self, num_blocks: int) -> None:
         self._by_address: dict[bytes, int] = {}
         self._address_of: list[bytes | None] = [None] * num_blocks
+        self.indexed = np.zeros(num_blocks, dtype=bool)
         self.version = 0
 
     def __len__(self) -> int:
@@ -27,22 +31,29 @@ class PrefixIndex:
     def address(self, block_id: int) -> bytes | None:
         return self._address_of[block_id]
 
-    def match(self, seed: bytes, tokens: np.ndarray, block_size: int) -> tuple[list[int], bytes]:
+    def match(self, seed: bytes, tokens: np.ndarray, block_size: int,
+              known: list[bytes]) -> tuple[list[int], bytes, list[bytes]]:
         """The longest chain of indexed blocks holding ``tokens``' leading full blocks, never the block of
-        its last token (recomputed so the model yields logits); and the address the chain ends on."""
+        its last token (recomputed so the model yields logits); the address the chain ends on; and every
+        address computed or taken from ``known`` (the addresses of the leading blocks, already known)."""
         by_address = self._by_address
         step = block_size * TOKEN_DTYPE.itemsize
         data = tokens.tobytes()
         hits: list[int] = []
+        hashes = known[:(len(tokens) - 1) // block_size]
         h = seed
         for i in range((len(tokens) - 1) // block_size):
-            nh = block_hash(h, data[i * step:(i + 1) * step])
+            if i < len(hashes):
+                nh = hashes[i]
+            else:
+                nh = blake2b(h + data[i * step:(i + 1) * step], digest_size=DIGEST_SIZE).digest()
+                hashes.append(nh)
             b = by_address.get(nh)
             if b is None:
                 break
             hits.append(b)
             h = nh
-        return hits, h
+        return hits, h, hashes
 
     def add(self, block_id: int, address: bytes) -> None:
         """Block ``block_id`` is computed and has ``address``: index it unless that content already is."""
@@ -53,9 +64,27 @@ class PrefixIndex:
         elif address not in self._by_address:
             self._by_address[address] = block_id
             self._address_of[block_id] = address
+            self.indexed[block_id] = True
             self.version += 1
         # else: the same content was computed twice (two requests admitted together); this copy stays
         # unindexed and goes to the free list when released.
+
+    def add_many(self, block_ids: list[int], addresses: list[bytes]) -> None:
+        """:meth:`add` for each pair, in one loop."""
+        by_address, address_of = self._by_address, self._address_of
+        new: list[int] = []
+        for b, h in zip(block_ids, addresses, strict=True):
+            known = address_of[b]
+            if known is not None:
+                if known != h:
+                    raise AssertionError(f"block {b} has address {known.hex()}, now {h.hex()}")
+            elif h not in by_address:
+                by_address[h] = b
+                address_of[b] = h
+                new.append(b)
+        if new:
+            self.indexed[new] = True
+            self.version += 1
 
     def remove_many(self, block_ids: list[int]) -> None:
         """Forget evicted blocks (each must be indexed)."""
@@ -63,4 +92,5 @@ class PrefixIndex:
         for b in block_ids:
             del by_address[address_of[b]]  # type: ignore[arg-type]
             address_of[b] = None
+        self.indexed[block_ids] = False
         self.version += 1
