@@ -7,7 +7,7 @@ import numpy as np
 
 from stride.config import CacheConfig, SchedulerConfig
 from stride.params import SamplingParams
-from stride.sched.plan import StepArrays, StepPlan, Update
+from stride.sched.plan import StepArrays, StepPlan, UpdateBatch
 from stride.sched.scheduler import Scheduler
 from stride.sched.trace import TraceWriter
 from stride.workers.sim_backend import SimBackend
@@ -54,11 +54,11 @@ def check_buffers(sched: Scheduler, buf: StepArrays, plan: StepPlan) -> None:
 
 
 def step(sched: Scheduler, buf: StepArrays, backend: SimBackend, now: float,
-         check: bool = True) -> tuple[StepPlan, list[Update], float]:
+         check: bool = True) -> tuple[StepPlan, UpdateBatch, float]:
     """One scheduled step run on the simulated backend; returns the plan, updates and the new time."""
     plan = sched.schedule(now)
     if plan.num_seqs == 0:
-        return plan, [], now
+        return plan, UpdateBatch.empty(), now
     if check:
         check_buffers(sched, buf, plan)
     now += backend.run(plan.descriptor(), buf, buf.sampled_ids)

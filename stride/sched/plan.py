@@ -3,6 +3,7 @@ step buffers for tests, the simulator and replay."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +40,42 @@ class Update:
     """``stop`` (EOS or a stop token), ``length`` (max_tokens or max_model_len) or ``abort``."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@dataclass
+class UpdateBatch:
+    """Every request's news from one step, in columns (one row per request that got a token), so the
+    scheduler builds no object per sequence. Row ``i``: request ``req_ids[i]``, at row ``rows[i]`` of the
+    step plan, got token ``token_ids[i]``. ``finished`` maps each request that ended to its reason.
+    Requests aborted while in flight have no row (their final :class:`Update` came from ``abort``).
+    Iterating yields the per-request :class:`Update` form, in row order."""
+
+    req_ids: list[str]
+    rows: np.ndarray
+    """int64: the step-plan row of each request (where its logprobs are)."""
+    token_ids: np.ndarray
+    """int64: the token each request got."""
+    num_prompt_tokens: np.ndarray
+    """int64"""
+    num_cached_tokens: np.ndarray
+    """int64: prompt tokens served from the prefix cache at first admission."""
+    finished: dict[str, str] = field(default_factory=dict)
+    """req_id -> ``stop`` (EOS or a stop token) or ``length`` (max_tokens or max_model_len)."""
+
+    @classmethod
+    def empty(cls) -> UpdateBatch:
+        z = np.zeros(0, dtype=np.int64)
+        return cls([], z, z, z, z)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def __iter__(self) -> Iterator[Update]:
+        finished = self.finished
+        for rid, tok, num_prompt, num_cached in zip(self.req_ids, self.token_ids.tolist(),
+                                                    self.num_prompt_tokens.tolist(),
+                                                    self.num_cached_tokens.tolist(), strict=True):
+            yield Update(rid, [tok], finished.get(rid), num_prompt, num_cached)
 
 
 class StepArraysLike(Protocol):

@@ -76,25 +76,28 @@ class SchedulerLoop:
         self.inflight = None
         n = plan.num_seqs
         sampled = np.array(self.buffers.sampled_ids[:n])
-        row_of = {rid: i for i, rid in enumerate(plan.req_ids)} if self.logprobs else {}
+        batch = self.core.update(plan, sampled, now)
         by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
-        for up in self.core.update(plan, sampled, now):
-            owner = self.owner.get(up.req_id)
+        finished = batch.finished
+        # Columns of the batch, walked once; every row has exactly one token.
+        for req_id, row, tok, num_prompt, num_cached in zip(
+                batch.req_ids, batch.rows.tolist(), batch.token_ids.tolist(), batch.num_prompt_tokens.tolist(),
+                batch.num_cached_tokens.tolist(), strict=True):
+            owner = self.owner.get(req_id)
             if owner is None:
                 continue
             lp = top = None
-            k = self.logprobs.get(up.req_id)
-            if k is not None and up.token_ids:
-                row = row_of[up.req_id]
+            k = self.logprobs.get(req_id)
+            if k is not None:
                 lp = [float(self.buffers.logprobs[row])]
                 top = [[[int(t), float(v)] for t, v in zip(self.buffers.top_ids[row, :k].tolist(),
                                                             self.buffers.top_logprobs[row, :k].tolist(),
                                                             strict=True)]]
-            by_owner[owner].append(m.TokenOutput(up.req_id, up.token_ids, up.finish_reason,
-                                                 up.num_prompt_tokens, up.num_cached_tokens, lp, top))
-            if up.finish_reason is not None:
-                self.owner.pop(up.req_id, None)
-                self.logprobs.pop(up.req_id, None)
+            reason = finished.get(req_id)
+            by_owner[owner].append(m.TokenOutput(req_id, [tok], reason, num_prompt, num_cached, lp, top))
+            if reason is not None:
+                self.owner.pop(req_id, None)
+                self.logprobs.pop(req_id, None)
         return by_owner
 
     def fail_all(self, message: str) -> dict[int, list[m.TokenOutput]]:

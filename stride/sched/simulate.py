@@ -119,11 +119,11 @@ def run_simulation(sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, arrivals:
             continue
         now += backend.run(plan.descriptor(), buffers, buffers.sampled_ids)
         num_steps += 1
-        for u in sched.update(plan, buffers.sampled_ids, now):
-            rt = times[u.req_id]
-            rt.token_times.extend([now] * len(u.token_ids))
-            if u.finish_reason is not None:
-                rt.finish_reason = u.finish_reason
+        batch = sched.update(plan, buffers.sampled_ids, now)
+        for req_id in batch.req_ids:  # one token each
+            times[req_id].token_times.append(now)
+        for req_id, reason in batch.finished.items():
+            times[req_id].finish_reason = reason
         if on_step is not None:
             on_step(sched)
     m = sched.metrics()
