@@ -141,7 +141,7 @@ def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
                "default_config": dataclasses.asdict(default_cfg)}
         if tune:
             t0 = time.time()
-            res = at.tune_and_cache(spec, shape, CUDA, cache, timer=bench_ms, bench_problems=sets)
+            res = at.tune_and_cache(spec, shape, CUDA, cache, timer=at.cuda_graph_timer, bench_problems=sets)
             row.update(tuned_ms=res.chosen.latency_ms, rejected=len(res.rejected), front=len(res.front),
                        tuned_config=dataclasses.asdict(res.chosen.candidate.config), tune_s=time.time() - t0)
         best = min(ms_default, row.get("tuned_ms", math.inf))
@@ -183,7 +183,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
             cfg = wq.default_config(m, n, k)
             if tune and m in (1, 16):
                 problems = [{"x": x, "w": w} for w in ws]
-                res = at.tune_and_cache(spec, specs.GemmShape(m, n, k), CUDA, cache, timer=bench_ms,
+                res = at.tune_and_cache(spec, specs.GemmShape(m, n, k), CUDA, cache, timer=at.cuda_graph_timer,
                                         bench_problems=problems)
                 tuned[m] = res.chosen.candidate.config
             cfg = tuned.get(1 if m <= 2 else 16, cfg)
@@ -216,7 +216,7 @@ def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int,
         nbytes = 4 * num_rows * hidden * 2
         sets = copies(lambda i, s=shape: specs.RMSNORM.make_problem(s, gen, CUDA), nbytes, rotate_bytes)
         if tune and num_rows == 16384:
-            tuned_cfg = at.tune_and_cache(specs.RMSNORM, shape, CUDA, cache, timer=bench_ms,
+            tuned_cfg = at.tune_and_cache(specs.RMSNORM, shape, CUDA, cache, timer=at.cuda_graph_timer,
                                           bench_problems=sets).chosen.candidate.config
         cfg = tuned_cfg if num_rows >= 4096 and tuned_cfg else rn.default_config(hidden)
         ms = bench_over(partial(specs.RMSNORM.run, cfg), sets)
