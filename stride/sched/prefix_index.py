@@ -78,8 +78,7 @@ class PrefixIndex:
             if known is not None:
                 if known != h:
                     raise AssertionError(f"block {b} has address {known.hex()}, now {h.hex()}")
-            elif h not in by_address:
-                by_address[h] = b
+            elif by_address.setdefault(h, b) == b:  # one probe; b is in no entry yet (its address is None)
                 address_of[b] = h
                 new.append(b)
         if new:
