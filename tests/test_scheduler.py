@@ -50,7 +50,12 @@ def _drive(sched, buf, sampled_script):  # type: ignore[no-untyped-def]
             if plan.sample_flags[i]:
                 sampled[i] = sampled_script[rid].pop(0)
         now += 0.01
-        for u in sched.update(plan, sampled, now):
+        batch = sched.update(plan, sampled, now)
+        # The columns and the per-request form agree (one token per row, the plan row it sampled in).
+        assert [plan.req_ids[r] for r in batch.rows.tolist()] == batch.req_ids
+        assert batch.token_ids.tolist() == [int(sampled[r]) for r in batch.rows.tolist()]
+        assert batch.finished == {u.req_id: u.finish_reason for u in batch if u.finish_reason}
+        for u in batch:
             outs.setdefault(u.req_id, []).extend(u.token_ids)
             if u.finish_reason:
                 reasons[u.req_id] = u.finish_reason
