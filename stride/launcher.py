@@ -47,8 +47,11 @@ class LaunchError(RuntimeError):
 class Launch:
     """One running deployment: its processes, its sockets and its shared memory."""
 
-    def __init__(self, config: StrideConfig, *, trace_path: str = "", quiet: bool = False) -> None:
+    def __init__(self, config: StrideConfig, *, trace_path: str = "", quiet: bool = False,
+                 stop: list[bool] | None = None) -> None:
         self.config = config
+        # Set by the signal handler; checked while starting too, so Ctrl-C during a long load stops it.
+        self.stop = stop if stop is not None else [False]
         self.trace_path = trace_path
         self.quiet = quiet
         self.ctx = zmq.Context()
@@ -74,6 +77,8 @@ class Launch:
         deadline = time.monotonic() + READY_TIMEOUT_S
         last_shown = -1.0
         while wanted - self.info.keys():
+            if self.stop[0]:
+                raise LaunchError(f"stopped while waiting for {what}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"timed out waiting for {what}")
             self._check_alive()
@@ -125,9 +130,9 @@ class Launch:
             if code is not None:
                 raise LaunchError(f"{role} {index} exited with status {code}")
 
-    def watch(self, stop: list[bool]) -> int:
-        """Until ``stop[0]`` is set (a signal) or a process fails. Returns the exit status."""
-        while not stop[0]:
+    def watch(self) -> int:
+        """Until the stop flag is set (a signal) or a process fails. Returns the exit status."""
+        while not self.stop[0]:
             try:
                 self._check_alive()
                 msg = self.control.get(timeout_ms=200)
@@ -268,12 +273,12 @@ def main(args: argparse.Namespace) -> int:
     launch = None
     wrote_address = False
     try:
-        launch = Launch(config, trace_path=args.trace)
+        launch = Launch(config, stop=stop, trace_path=args.trace)
         launch.start()
         if args.address_file:
             write_address_file(args.address_file, launch)
             wrote_address = True
-        return launch.watch(stop)
+        return launch.watch()
     except LaunchError as e:
         print(f"stride serve: {e}", file=sys.stderr)
         return 1
