@@ -110,3 +110,8 @@ class ClientServer:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             log.info("client gone; aborted its request %s", msg.req_id)
+        except Exception as e:  # a bug here must still end the client's request, not leave it waiting
+            log.exception("client request %s failed", msg.req_id)
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(identity, ClientOutput(req_id=msg.req_id, status=500,
+                                                        error=f"internal error: {type(e).__name__}"))
