@@ -41,7 +41,10 @@ class StrideServer:
     # -------------------------------------------------------------- life
 
     def start(self) -> StrideServer:
-        env = dict(os.environ, STRIDE_LOG_LEVEL="WARNING")
+        # One intra-op thread: the server shares two cores with the test process (and, on a developer's
+        # machine, with other jobs), and OpenMP's spinning threads collapse under oversubscription
+        # (a batch-1 decode step measured 160 ms with one thread, 960 ms with two, on a loaded 2-core box).
+        env = dict(os.environ, STRIDE_LOG_LEVEL="WARNING", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "stride", "serve", *self.args], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
