@@ -6,7 +6,10 @@ Each batch of B sequences is prefilled with a short prompt, then timed over --st
 a fraction of the roofline (weight bytes read per token over that bandwidth). Prints figures; asserts nothing.
 
     python scripts/bench_worker.py                       # SmolLM2 GGUF on CPU, float32
-    python scripts/bench_worker.py --model /tmp/llama8b --device cuda --dtype bfloat16
+    python scripts/bench_worker.py --model /tmp/llama8b --device cuda --dtype bfloat16 --backends torch,triton
+
+With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
+the model layers switched to the fused kernels or back with it, so the weights are loaded once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from stride.workers.attention import get_backend
+from stride.workers.models.layers import use_fused_kernels
 from stride.workers.runner import ModelRunner
 
 
@@ -39,10 +44,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) 
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of parameters one decode token reads (tied tensors once; MoE: the routed share of experts)."""
+    """Bytes of parameters one decode token reads (tied tensors once; MoE: the routed share of experts).
+
+    An untied embedding table is left out: a token reads one row of it, not the table."""
     seen: dict[int, int] = {}
     expert = 0
     for name, p in runner.model.named_parameters():
+        if name.startswith("embed_tokens.") and not runner.args.tie_word_embeddings:
+            continue
         seen[p.data_ptr()] = p.numel() * p.element_size()
         if ".experts." in name:
             expert += p.numel() * p.element_size()
@@ -97,6 +106,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(
+        "--backends", default="", help="comma-separated attention backends to time (default: the runner's)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -104,25 +116,36 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     need = max(batches) * -(-(args.prompt_len + args.steps + 1) // 16)
     t = time.perf_counter()
-    runner = ModelRunner(args.model, device=args.device, dtype=args.dtype, num_blocks=need)
+    backends = [b for b in args.backends.split(",") if b]
+    runner = ModelRunner(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=need,
+        attention_backend=backends[0] if backends else "",
+    )
     print(
         f"model {args.model or 'default (SmolLM2-135M GGUF)'}: {runner.args.family}, "
         f"{runner.device}/{runner.dtype}, loaded in {time.perf_counter() - t:.1f} s, "
         f"threads {torch.get_num_threads()}"
     )
-    rates = {}
-    for b in batches:
-        decode_rate(runner, b, args.prompt_len, 2)  # warm-up (allocator, kernels)
-        rates[b] = decode_rate(runner, b, args.prompt_len, args.steps)
-        print(f"batch {b:4d}: {rates[b]:9.1f} tok/s  ({1000 * b / rates[b]:.1f} ms/step)")
-    if runner.device.type == "cuda" and 1 in rates:
+    all_rates: dict[str, dict[int, float]] = {}
+    for name in backends or [runner.backend.name]:
+        runner.backend = get_backend(name, runner.device.type)
+        use_fused_kernels(runner.model, runner.backend.fused_layers)
+        rates = all_rates[name] = {}
+        for b in batches:
+            decode_rate(runner, b, args.prompt_len, 2)  # warm-up (allocator, kernels)
+            rates[b] = decode_rate(runner, b, args.prompt_len, args.steps)
+            print(f"[{name}] batch {b:4d}: {rates[b]:9.1f} tok/s  ({1000 * b / rates[b]:.1f} ms/step)")
+    if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)
         wb = weight_bytes(runner)
         roofline = bw / wb
-        print(
-            f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.2f} GB/token"
-            f" -> roofline {roofline:.1f} tok/s; batch 1 = {rates[1] / roofline:.1%} of roofline"
-        )
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.2f} GB/token -> roofline {roofline:.1f} tok/s")
+        for name, rates in all_rates.items():
+            if 1 in rates:
+                print(f"[{name}] batch 1 = {rates[1] / roofline:.1%} of roofline")
     return 0
 
 

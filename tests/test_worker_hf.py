@@ -147,7 +147,12 @@ def _hf_model(path: Path | str, device: str, dtype: str, gguf_file: str | None =
 @pytest.fixture(scope="module", params=SETUPS)
 def smollm2(request: pytest.FixtureRequest) -> tuple[ModelRunner, object, str]:
     device, dtype = request.param
-    path = default_model_path()
+    try:
+        path = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))  # the 98 MB GGUF does not travel to every machine (the GPU one, say)
+    if not os.path.isfile(path):
+        pytest.skip(f"default model not installed here ({path})")
     runner = ModelRunner(path, device=device, dtype=dtype, num_blocks=64)
     hf = _hf_model(os.path.dirname(path), device, dtype, gguf_file=os.path.basename(path))
     return runner, hf, dtype
@@ -221,9 +226,13 @@ def test_tiny_llama_really_uses_llama3_scaling(tmp_path: Path) -> None:
 @gpu
 @torch.inference_mode()
 def test_llama_8b_shaped_checkpoint_loads_and_decodes(tmp_path: Path) -> None:
-    # Writes ~16 GB of random bf16 weights; the cache is sized from the GPU memory left after loading.
-    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
-    path = make["write_checkpoint"](make["PRESETS"]["llama-3.1-8b"], tmp_path / "8b", torch.bfloat16, seed=0)
+    # Writes ~16 GB of random bf16 weights (or reuses STRIDE_TEST_LLAMA8B, a directory written by
+    # make_random_checkpoint.py --preset llama-3.1-8b); the cache is sized from the GPU memory left after loading.
+    path = os.environ.get("STRIDE_TEST_LLAMA8B", "")
+    if not path:
+        make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+        preset = make["PRESETS"]["llama-3.1-8b"]
+        path = make["write_checkpoint"](preset, tmp_path / "8b", torch.bfloat16, seed=0, device="cuda")
     runner = ModelRunner(str(path), device="cuda", dtype="bfloat16")
     assert runner.num_blocks > 1000 and runner.args.num_layers == 32
     ids = np.random.default_rng(0).integers(0, 128000, 300).tolist()

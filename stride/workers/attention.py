@@ -13,6 +13,9 @@ Triton kernels plug in under another name and must agree with it.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -100,6 +103,8 @@ class AttentionBackend(Protocol):
     (num_blocks, block_size, num_kv_heads, head_dim). ``attend`` returns q's shape."""
 
     name: str
+    fused_layers: bool
+    """Whether the model layers should use the fused Triton RMSNorm/SiLU-mul kernels with this backend."""
 
     def write_kv(
         self,
@@ -125,6 +130,7 @@ class TorchPagedAttention:
     chunks one sequence at a time (causal by position over cached keys plus the chunk)."""
 
     name = "torch"
+    fused_layers = False
 
     def write_kv(
         self,
@@ -223,7 +229,24 @@ class AttentionContext:
     v_caches: list[torch.Tensor]
 
 
+def _triton_backend() -> AttentionBackend:
+    # Imported on demand: Triton (and ``kernels``, which may switch on its interpreter) load only when asked.
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    if "triton" in sys.modules and not interpret and not torch.cuda.is_available():
+        # Triton fixes interpreter-or-compiler for its own library functions when it is imported; something
+        # (torch itself, when building a model on the meta device) imported it already without the flag.
+        raise RuntimeError(
+            "the triton backend without CUDA needs TRITON_INTERPRET=1 before Triton is first imported: "
+            "set it in the environment, or import `kernels` earlier"
+        )
+    from stride.workers.attention_triton import TritonPagedAttention
+
+    return TritonPagedAttention()
+
+
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchPagedAttention}
+if importlib.util.find_spec("triton") is not None:
+    _BACKENDS["triton"] = _triton_backend
 
 
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:

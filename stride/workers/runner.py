@@ -18,6 +18,7 @@ from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model
+from stride.workers.models.layers import use_fused_kernels
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class ModelRunner:
         progress: ProgressCallback | None = None,
     ) -> None:
         self.device, self.dtype = resolve_device_dtype(device, dtype)
+        # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
+        # model build does (torch imports Triton on its own then).
+        self.backend = get_backend(attention_backend, self.device.type)
         self.model = load_model(model_path, self.device, self.dtype, progress)
         self.args = self.model.args
         self.block_size = block_size
@@ -70,7 +74,7 @@ class ModelRunner:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
         self.kv_cache = KVCache(self.args, num_blocks, block_size, self.device, self.dtype)
         self.num_blocks = num_blocks
-        self.backend = get_backend(attention_backend, self.device.type)
+        use_fused_kernels(self.model, self.backend.fused_layers)
         log.info(
             "model %s on %s/%s: %d KV blocks of %d tokens (%.2f GiB), attention %s",
             self.args.family,

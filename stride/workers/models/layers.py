@@ -6,11 +6,17 @@ communication), :class:`RowParallelLinear` a slice of the input features (o, dow
 be all-reduced). Weights are loaded through ``load_full`` with the *unsharded* checkpoint tensor, so the
 loader never needs to know the rank. Merged projections (qkv, gate_up) hold several checkpoint tensors
 side by side in one weight, which is one matmul instead of three on the hot path.
+
+RMSNorm and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
+Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, SiLU-and-mul in one pass), which
+:func:`use_fused_kernels` switches on per model when the worker runs the ``triton`` backend. Both round where
+transformers rounds, so they agree to float rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -64,21 +70,44 @@ class RowParallelLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+_KERNELS: dict[str, ModuleType] = {}
+
+
+def _kernel(name: str) -> ModuleType:
+    """``kernels.<name>``, imported on first use (only models switched to the fused path get here)."""
+    if name not in _KERNELS:
+        import importlib
+
+        _KERNELS[name] = importlib.import_module(f"kernels.{name}")
+    return _KERNELS[name]
+
+
 class RMSNorm(nn.Module):
     """Normalised in float32, scaled in the run dtype, exactly as transformers' Llama does."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = False
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
         self.weight.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps)[0]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h = x + residual`` rounded to the run dtype; returns ``(norm(h), h)`` (one pass when fused)."""
+        if self.fused:
+            out, h = _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps, residual)
+            return out, h
+        h = x + residual
+        return self.forward(h), h
 
 
 class Embedding(nn.Module):
@@ -116,9 +145,20 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        self.fused = False
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(_kernel("silu_mul").silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def use_fused_kernels(model: nn.Module, enabled: bool) -> None:
+    """Switch every RMSNorm and gated MLP of ``model`` to the fused Triton kernels (or back)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | GatedMLP):
+            module.fused = enabled

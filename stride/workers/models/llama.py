@@ -82,10 +82,23 @@ class Block(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream kept apart: the layer's input is ``x + residual`` (``x`` alone in layer 0), and it
+        returns ``(mlp_out, h)`` whose sum is its output. Each add is then fused into the following norm;
+        the sums round exactly where ``h = x + attn(norm(x)); h + mlp(norm(h))`` rounds."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        attn = self.self_attn(normed, cos, sin, ctx)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual
 
 
 MlpFactory = Callable[[ModelArgs, int, int], nn.Module]
@@ -127,9 +140,12 @@ class Transformer(nn.Module):
         """Final-norm hidden states (num_tokens, hidden) for the flattened tokens of one step."""
         x = self.embed_tokens(token_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (n, vocab) of the given hidden rows (vocabulary-parallel later: gather here)."""

@@ -1,0 +1,50 @@
+"""The Triton attention backend: the kernels of ``kernels/paged_attention.py`` behind the worker's seam.
+
+Imported only when the ``triton`` backend is asked for (``get_backend``), so a CPU-only process never loads
+Triton, and never has ``kernels`` switch on the interpreter behind its back. On a machine without CUDA,
+importing ``kernels`` turns on ``TRITON_INTERPRET`` and the same kernels run on CPU tensors (the CPU tests
+compare this backend with the torch one that way).
+
+K/V are written into the cache exactly as the torch backend writes them (one index_put per tensor), then
+one launch attends: ``paged_decode`` when every sequence of the step decodes (split-K over long contexts),
+``paged_extend`` otherwise (prefill chunks and decode rows together). The step's maxima come from the host
+(:class:`AttentionMetadata`), so nothing here waits on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import paged_decode, paged_extend
+from stride.workers.attention import AttentionMetadata, TorchPagedAttention
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """Writes K/V as the reference does (inherited ``write_kv``); attends with the Triton kernels."""
+
+    name = "triton"
+    fused_layers = True
+    """The model layers use the fused RMSNorm(+residual) and SiLU-mul kernels alongside this backend."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.max_query_len == 1:
+            return paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
+            )
+        return paged_extend(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            scale,
+            meta.max_query_len,
+        )
