@@ -4,6 +4,7 @@ Llama. GPU (marked gpu): the 8B-shaped random checkpoint in bf16, logit cosine >
 
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import subprocess
@@ -59,7 +60,8 @@ class Steps:
         self.extra = rng.integers(0, vocab, 64)
 
     def run(self, runner: ModelRunner, context_shift: int = 0) -> list[torch.Tensor]:
-        """Logits of every step; ``context_shift`` feeds decodes a wrong context length (negative control)."""
+        """Logits of every step. ``context_shift`` (negative control) moves every decode that many positions
+        back: it overwrites an earlier key and attends to only the keys before it (the prompt stays whole)."""
         lengths = [0, 0, 0]
         out = []
         for step in self.schedule:
@@ -70,11 +72,12 @@ class Steps:
                 k = lo - len(prompt)
                 new = prompt[lo : lo + n] if k < 0 else self.extra[k : k + n]
                 ids.append(new)
-                pos.append(np.arange(lo, lo + n))
+                start = lo - context_shift if n == 1 else lo
+                pos.append(np.arange(start, start + n))
                 lengths[slot] += n
                 slots.append(slot)
                 q_lens.append(n)
-                ctx.append(lengths[slot] - (context_shift if n == 1 else 0))
+                ctx.append(start + n)
             out.append(
                 runner.forward(
                     np.concatenate(ids).astype(np.int32),
@@ -138,7 +141,8 @@ def test_triton_backend_equals_torch_backend_cpu(tiny_path: Path, monkeypatch: p
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         err = (g - w).abs().max().item()
         assert err <= 1e-5, f"step {i}: max logit error {err:.3g}"
-    # Negative control: decodes attending to one key too few move the logits far past that tolerance.
+    # Negative control: decodes one position back (one key fewer, RoPE off by one) move the logits far
+    # past that tolerance.
     wrong = steps.run(tri, context_shift=1)
     assert max((g - w).abs().max().item() for g, w in zip(wrong[3:], want[3:], strict=True)) > 1e-2
 
@@ -153,6 +157,15 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         get_backend("flash", "cpu")
 
 
+def test_forward_rejects_position_past_context(tiny_path: Path) -> None:
+    runner = ModelRunner(str(tiny_path), device="cpu", num_blocks=8, block_size=4, attention_backend="torch")
+    tables = np.arange(8, dtype=np.int32).reshape(1, 8)
+    one = np.array([1], np.int32)
+    runner.forward(np.array([5], np.int32), np.array([6], np.int32), np.array([0], np.int32), one, [7], tables)
+    with pytest.raises(ValueError, match="last query_len"):
+        runner.forward([5], np.array([12], np.int32), np.array([0], np.int32), one, [7], tables)
+
+
 def test_cpu_import_does_not_load_triton() -> None:
     # The triton backend registers lazily: a CPU worker that never asks for it must not import Triton.
     code = (
@@ -165,8 +178,23 @@ def test_cpu_import_does_not_load_triton() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+def min_cosine(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Smallest logit cosine over every step and sequence."""
+    return min(
+        torch.nn.functional.cosine_similarity(g[r], w[r], dim=0).item()
+        for g, w in zip(got, want, strict=True)
+        for r in range(len(w))
+    )
+
+
+def run_worker(path: str, backend: str, dtype: str, steps: Steps, shifts: tuple[int, ...] = (0,)) -> list[Any]:
+    """The schedule's float64 logits on a fresh runner, once per context shift; the runner is freed after."""
+    runner = ModelRunner(path, device="cuda", dtype=dtype, num_blocks=2048, attention_backend=backend)
+    out = [[x.double().cpu() for x in steps.run(runner, context_shift=s)] for s in shifts]
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
 
 
 @pytest.mark.gpu
@@ -174,29 +202,41 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 @gpu
 @torch.inference_mode()
 def test_triton_worker_equals_reference_8b_shaped(tmp_path: Path) -> None:
-    """8B shapes (hidden 4096, GQA 32/8, head_dim 128, vocab 128256) in bf16. The checkpoint is
-    ``STRIDE_TEST_LLAMA8B`` when set (a directory written by make_random_checkpoint.py), else a random one
-    with 8 layers written here."""
-    path = os.environ.get("STRIDE_TEST_LLAMA8B") or str(
-        make_checkpoint("llama-3.1-8b", tmp_path / "8b", torch.bfloat16, num_layers=8, device="cuda")
-    )
-    ref = ModelRunner(path, device="cuda", dtype="bfloat16", num_blocks=2048, attention_backend="torch")
-    steps = Steps(2048, 16, ref.args.vocab_size, seed=1)
+    """8B shapes (hidden 4096, GQA 32/8, head_dim 128, vocab 128256), 8 of the 32 layers, random weights.
+
+    float32: the kernels equal the reference (cosine >= 0.99999). bf16: the issue asked for cosine >= 0.9999
+    between the two bf16 workers, which this random network does not allow. Measured on an H200 (2026-11-30):
+    at 32 layers the reference's own bf16 run is 0.9974 from its float32 run and the triton bf16 run 0.9974
+    too (scripts/compare_backends.py), while the two bf16 runs are 0.9985 apart; at 8 layers the two bf16
+    runs are 0.99968 apart. Two bf16 runs that round differently (any attention kernel does) differ that much
+    here, so the bound would test the random network's amplification of rounding, not the kernels. The bf16
+    check is instead that the kernels add no error of their own: their distance from the float32 reference
+    is at most 1.5x the reference backend's bf16 distance (1.015x measured at 32 layers), and the two bf16
+    workers agree to 0.999.
+    """
+    path = str(make_checkpoint("llama-3.1-8b", tmp_path / "8b", torch.bfloat16, num_layers=8, device="cuda"))
+    steps = Steps(2048, 16, 128256, seed=1)
     steps.prompts = [np.random.default_rng(2).integers(0, 128000, n) for n in (700, 1500, 300)]
     steps.schedule = [[(0, 700), (1, 1000)], [(0, 1), (1, 500)], [(0, 1), (1, 1), (2, 300)]]
     steps.schedule += [[(0, 1), (1, 1), (2, 1)]] * 3
     steps.tables = np.random.default_rng(3).permutation(2048)[: 3 * 120].astype(np.int32).reshape(3, 120)
-    want = [w.cpu() for w in steps.run(ref)]
-    del ref
-    torch.cuda.empty_cache()
-    tri = ModelRunner(path, device="cuda", dtype="bfloat16", num_blocks=2048, attention_backend="triton")
-    got = [g.cpu() for g in steps.run(tri)]
-    cos = [min(cosine(g[r], w[r]) for r in range(len(w))) for g, w in zip(got, want, strict=True)]
-    print("per-step min logit cosine:", [f"{c:.6f}" for c in cos])
-    assert min(cos) >= 0.9999, cos
-    # Negative control: random weights make attention nearly uniform, so the logits move little with it;
-    # decodes that miss most of one sequence's keys (250 of 303) must still fall below the bound.
-    wrong = [g.cpu() for g in steps.run(tri, context_shift=250)]
-    off = min(cosine(wrong[-1][r], want[-1][r]) for r in range(3))
-    print(f"negative control cosine: {off:.6f}")
-    assert off < 0.9999
+    # The negative control moves every decode 250 positions back (the last sequence then sees ~53 keys).
+    (ref32,) = run_worker(path, "torch", "float32", steps)
+    tri32, wrong32 = run_worker(path, "triton", "float32", steps, shifts=(0, 250))
+    (ref16,) = run_worker(path, "torch", "bfloat16", steps)
+    tri16, wrong16 = run_worker(path, "triton", "bfloat16", steps, shifts=(0, 250))
+    figures = {
+        "triton32~torch32": min_cosine(tri32, ref32),
+        "wrong32~torch32": min_cosine(wrong32, ref32),
+        "torch16~torch32": min_cosine(ref16, ref32),
+        "triton16~torch32": min_cosine(tri16, ref32),
+        "wrong16~torch32": min_cosine(wrong16, ref32),
+        "triton16~torch16": min_cosine(tri16, ref16),
+    }
+    print({k: f"{v:.6f}" for k, v in figures.items()})
+    assert figures["triton32~torch32"] >= 0.99999
+    assert figures["wrong32~torch32"] < 0.99999
+    bf16_error = 1 - figures["torch16~torch32"]
+    assert 1 - figures["triton16~torch32"] <= 1.5 * bf16_error
+    assert 1 - figures["wrong16~torch32"] > 1.5 * bf16_error
+    assert figures["triton16~torch16"] >= 0.999

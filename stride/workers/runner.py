@@ -138,6 +138,12 @@ class ModelRunner:
         )
         if bool(((tables_host < 0) | (tables_host >= self.num_blocks))[needed].any()):
             raise ValueError(f"block table names a block outside 0..{self.num_blocks - 1}")
+        # The kernels place a sequence's tokens at the last query_len positions of its context; a position
+        # past the context would also index past its block table (a device-side assert on CUDA).
+        pos_host = np.asarray(positions, dtype=np.int64)
+        offsets = np.arange(len(pos_host)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        if len(pos_host) != q_lens.sum() or np.any(pos_host != np.repeat(ctx_lens - q_lens, q_lens) + offsets):
+            raise ValueError("each sequence's positions must be the last query_len of its context_len")
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
         tables = tables_host.to(self.device, torch.int32, non_blocking=True)
