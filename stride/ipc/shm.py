@@ -60,9 +60,10 @@ class SharedArray:
         """Map an existing segment; the shape and dtype must fit in it."""
         buf = cls._map(name, os.O_RDWR, None)
         need = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if len(buf) < need:
+        have = len(buf)
+        if have < need:
             buf.close()
-            raise ValueError(f"segment {name} has {len(buf)} bytes, layout needs {need}")
+            raise ValueError(f"segment {name} has {have} bytes, layout needs {need}")
         return cls(name, buf, shape, dtype, owner=False)
 
     def close(self) -> None:
