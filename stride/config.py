@@ -198,9 +198,14 @@ class WorkerConfig:
     """Share of the device memory the worker may use for weights, activations and KV cache."""
     seed: int = 0
     """Seed of the sampler's default generator."""
+    num_threads: int = 0
+    """CPU threads of the worker's torch ops; 0 keeps torch's default (one per core). On a small shared
+    machine 1 can be much faster: the other processes of the launch need a core too."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size")
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"backend must be 'torch' or 'sim', got {self.backend!r}")
         if self.device not in ("", "cpu", "cuda"):

@@ -203,6 +203,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the simulated backend's cost model)")
     p.add_argument("--device", default="", choices=("", "cpu", "cuda"))
     p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of the worker's torch ops (default: one per core)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--served-model-name", default="")
@@ -239,7 +241,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, device=args.device,
-                            dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp),
+                            dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp,
+                            num_threads=args.threads),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
                             api_keys_file=args.api_keys, model_name=args.served_model_name),
     )

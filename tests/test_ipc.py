@@ -98,6 +98,7 @@ def test_round_trip_and_malformed_frame_survives(ipc: IpcConfig, ctx: zmq.Contex
     child = SPAWN.Process(target=_echo, args=(ipc.worker_address(), ipc.scheduler_address()))
     child.start()
     raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)  # a raw socket keeps zmq's infinite default linger: term() would wait on it
     raw.connect(ipc.worker_address())
     # Frames the echo child must drop without dying: garbage, and a message of another group.
     raw.send(b"\x00garbage")

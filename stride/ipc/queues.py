@@ -39,12 +39,12 @@ class PushQueue(Generic[M]):
         _setup(self._sock, address, bind)
 
     def put(self, msg: M) -> None:
-        self._sock.send(encode(msg), copy=False)
+        self._sock.send(encode(msg))
 
     def put_nowait(self, msg: M) -> bool:
         """Send unless the peer's queue is full (or absent); False if it would block."""
         try:
-            self._sock.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -103,7 +103,7 @@ class AsyncPushQueue(Generic[M]):
         _setup(self._sock, address, bind)
 
     async def put(self, msg: M) -> None:
-        await self._sock.send(encode(msg), copy=False)
+        await self._sock.send(encode(msg))
 
     def close(self) -> None:
         self._sock.close()

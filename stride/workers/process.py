@@ -30,9 +30,13 @@ class ModelStepper:
     """A real model: :class:`ModelRunner` for the forward, :class:`Sampler` for the tokens."""
 
     def __init__(self, config: StrideConfig, progress: Any) -> None:
+        import torch
+
         from stride.workers.runner import ModelRunner
         from stride.workers.sampling import Sampler
 
+        if config.worker.num_threads:
+            torch.set_num_threads(config.worker.num_threads)
         self.runner = ModelRunner.from_config(config.worker, config.cache, config.scheduler, progress)
         args = self.runner.args
         self.num_blocks = self.runner.num_blocks
