@@ -212,6 +212,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default="", help="file of 'KEY TENANT' lines; requests then need a key")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests,
+                   help="waiting-queue bound; past it new requests get 429 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's context length")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks,
@@ -239,7 +241,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting_requests=args.max_waiting_requests),
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, device=args.device,
                             dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp,
                             num_threads=args.threads),
