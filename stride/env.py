@@ -42,12 +42,16 @@ DEVICE = EnvVar("STRIDE_DEVICE", "", "Force the worker device (cpu, cuda); defau
 ATTENTION_BACKEND = EnvVar(
     "STRIDE_ATTENTION_BACKEND", "",
     "Worker attention/norm backend: 'torch' (reference) or 'triton'; default: triton on CUDA, torch on CPU.")
+W4A16 = EnvVar(
+    "STRIDE_W4A16", "",
+    "Keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them through the W4A16 Triton GEMM: '1' on, '0' off "
+    "(dequantise to the run dtype); default: on with the triton backend on CUDA.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
 
 REGISTRY: tuple[EnvVar, ...] = (
-    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, AUTOTUNE_CACHE,
+    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, AUTOTUNE_CACHE,
 )
 
 

@@ -4,6 +4,11 @@ Both paths stream ``(hf_name, tensor)`` pairs into :meth:`Transformer.load_weigh
 peak host memory is one tensor, not the checkpoint. GGUF tensors are dequantised to float32 with the
 ``gguf`` package and then cast to the run dtype; names are mapped to HF names and llama.cpp's Q/K row
 permutation is undone, as transformers does when it loads a GGUF (so the two give the same model).
+
+With ``w4a16`` (:func:`use_w4a16`: by default on CUDA with the triton backend) a GGUF's Q4_0/Q4_1 projections
+(q/k/v, o, gate/up, down) are not dequantised: their modules become :class:`W4A16Linear` before anything is
+allocated and get the blocks repacked 4-bit (``kernels/w4a16.py``); a merged projection only when every
+checkpoint tensor in it is Q4. Embeddings, norms, the LM head and Mixtral's experts load as before.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +26,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from stride import env
 from stride.model_files import default_model_path
 from stride.workers.models import ModelArgs, Transformer, build_model
+from stride.workers.models.layers import W4A16Linear
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +38,25 @@ ProgressCallback = Callable[[str, float], None]
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """GGUF tensor types we dequantise (the ones tested); others are refused with their name."""
+
+W4A16_TYPES = ("Q4_0", "Q4_1")
+"""GGUF types the W4A16 GEMM takes as they are (a per-32 scale, and a min or the implied -8 * scale)."""
+
+# Our projection (under "layers.N.") → the GGUF tensors (after "blk.N.") merged in it, in shard order.
+_GGUF_PROJECTIONS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def use_w4a16(device_type: str, backend: str) -> bool:
+    """Whether the worker keeps GGUF Q4 projections 4-bit: ``STRIDE_W4A16`` when set, else only with the
+    triton backend on CUDA (elsewhere the GEMM would run through Triton's interpreter, or not at all)."""
+    if env.W4A16.get().strip():
+        return env.W4A16.get_bool()
+    return device_type == "cuda" and backend == "triton"
 
 
 def read_model_args(path: str) -> ModelArgs:
@@ -47,31 +75,53 @@ def load_model(
     progress: ProgressCallback | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    w4a16: bool = False,
 ) -> Transformer:
     """Build the model of ``path`` (empty: :func:`default_model_path`) on ``device`` in ``dtype`` and load its
-    weights. Raises if a checkpoint tensor has no place in the model or a parameter was never loaded."""
+    weights. Raises if a checkpoint tensor has no place in the model or a parameter was never loaded.
+    ``w4a16``: keep a GGUF's Q4_0/Q4_1 projections packed (module docstring); ignored for other checkpoints."""
     path = path or default_model_path()
     device = torch.device(device)
+    packed: dict[str, str] = {}  # GGUF tensor → the W4A16Linear it loads into
+    # float16 holds GGUF's fp16 scales exactly (bfloat16 would round them); float32 runs stay float32.
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
     if _is_gguf(path):
         import gguf
 
         reader = gguf.GGUFReader(path)
         args = _gguf_args(reader)
-        tensors, total = _gguf_tensors(reader, args), len(reader.tensors)
+        packed = _w4a16_projections(reader, args) if w4a16 else {}
+        if packed:
+            # Before the model build imports Triton: without CUDA, kernels turns on Triton's interpreter.
+            import kernels.w4a16  # noqa: F401
+        tensors, total = _gguf_tensors(reader, args, set(packed), scale_dtype), len(reader.tensors)
     else:
         args = read_model_args(path)
         tensors, total = _safetensors(Path(path))
     with torch.device("meta"):
         model = build_model(args, tp_rank, tp_size)
+        for module_path in sorted(set(packed.values())):
+            dense = model.get_submodule(module_path)
+            model.set_submodule(module_path, W4A16Linear.replacing(dense, scale_dtype))
+    if packed:
+        log.info("%d projections kept 4-bit (W4A16)", len(set(packed.values())))
     _materialize(model, device, dtype)
     label = f"loading {os.path.basename(path.rstrip('/'))}"
     with tqdm(total=total, desc=label, unit="tensor", disable=None) as bar:
         for done, (name, tensor) in enumerate(tensors, 1):
-            model.load_weight(name, tensor.to(device=device, dtype=dtype))
+            if isinstance(tensor, torch.Tensor):
+                model.load_weight(name, tensor.to(device=device, dtype=dtype))
+            else:  # a packed W4A16Weight: its dtypes stay
+                parts = {f: getattr(tensor, f).to(device) for f in ("qweight", "scales", "mins")}
+                model.load_weight(name, replace(tensor, **parts))
             bar.update(1)
             if progress is not None:
                 progress(label, done / total)
-    missing = [n for n, p in model.named_parameters() if bool(torch.isnan(p).any())]
+    # Packed projections keep NaN in their scale buffers until loaded, as dense parameters do.
+    missing = [
+        n for n, p in chain(model.named_parameters(), model.named_buffers())
+        if p.is_floating_point() and bool(torch.isnan(p).any())
+    ]
     if missing:
         raise ValueError(f"{path}: parameters not in the checkpoint: {missing[:8]}")
     model.eval()
@@ -83,9 +133,15 @@ def _is_gguf(path: str) -> bool:
 
 
 def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace the meta parameters by NaN-filled real ones (NaN marks "not loaded"), keeping ties."""
+    """Replace the meta parameters by NaN-filled real ones (NaN marks "not loaded"), keeping ties; packed
+    projections' buffers keep their dtypes (and their NaN scales)."""
     made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
+        if isinstance(module, W4A16Linear):
+            for name, b in list(module._buffers.items()):
+                assert b is not None
+                fill = float("nan") if b.is_floating_point() else 0
+                module._buffers[name] = torch.full(b.shape, fill, device=device, dtype=b.dtype)
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
@@ -185,6 +241,18 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _w4a16_projections(reader: Any, args: ModelArgs) -> dict[str, str]:
+    """GGUF tensor name → our module path, for the projections whose every merged tensor is Q4_0/Q4_1."""
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    out: dict[str, str] = {}
+    for layer in range(args.num_layers):
+        for module, kinds in _GGUF_PROJECTIONS.items():
+            names = [f"blk.{layer}.{kind}.weight" for kind in kinds]
+            if all(types.get(n) in W4A16_TYPES for n in names):
+                out.update((n, f"layers.{layer}.{module}") for n in names)
+    return out
+
+
 def _to_torch(data: np.ndarray) -> torch.Tensor:
     # F32 tensors come back as read-only views of the memory-mapped file; torch wants its own writable copy.
     if not (data.flags.writeable and data.flags.c_contiguous):
@@ -192,7 +260,30 @@ def _to_torch(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(data)
 
 
-def _gguf_tensors(reader: Any, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
+def _unpermute_gguf(kind: str, rows: np.ndarray, args: ModelArgs) -> np.ndarray:
+    if kind == "attn_q":
+        return unpermute_qk(rows, args.num_heads)
+    if kind == "attn_k":
+        return unpermute_qk(rows, args.num_kv_heads)
+    return rows
+
+
+def _packed_q4(t: Any, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
+    """A Q4_0/Q4_1 projection as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
+    and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same
+    rows move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
+    from kernels.w4a16 import from_gguf_q4
+
+    k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
+    rows = np.asarray(t.data).reshape(n, -1)
+    rows = _unpermute_gguf(t.name.split(".")[2], rows, args)
+    return from_gguf_q4(rows, t.tensor_type.name, (n, k), scale_dtype)
+
+
+def _gguf_tensors(
+    reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype
+) -> Iterator[tuple[str, Any]]:
+    """``(HF name, tensor)``: dequantised float32 tensors, and W4A16Weight for the GGUF names in ``packed``."""
     import gguf
 
     for t in reader.tensors:
@@ -201,24 +292,26 @@ def _gguf_tensors(reader: Any, args: ModelArgs) -> Iterator[tuple[str, torch.Ten
         qtype = t.tensor_type.name
         if qtype not in GGUF_TYPES:
             raise ValueError(f"GGUF tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, kind = parts[1], parts[2]
             prefix = f"model.layers.{layer}."
             if kind in _GGUF_EXPERT_NAMES:  # (num_experts, out, in): one HF tensor per expert
+                data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
                 for e in range(data.shape[0]):
                     name = f"{prefix}block_sparse_moe.experts.{e}.{_GGUF_EXPERT_NAMES[kind]}.weight"
                     yield name, _to_torch(data[e])
                 continue
-            if kind == "attn_q":
-                data = unpermute_qk(data, args.num_heads)
-            elif kind == "attn_k":
-                data = unpermute_qk(data, args.num_kv_heads)
             if kind not in _GGUF_LAYER_NAMES:
                 raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
-            yield prefix + _GGUF_LAYER_NAMES[kind] + ".weight", _to_torch(data)
+            name = prefix + _GGUF_LAYER_NAMES[kind] + ".weight"
+            if t.name in packed:
+                yield name, _packed_q4(t, args, scale_dtype)
+                continue
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            yield name, _to_torch(_unpermute_gguf(kind, data, args))
         elif parts[0] in _GGUF_TOP_NAMES:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             yield _GGUF_TOP_NAMES[parts[0]] + ".weight", _to_torch(data)
         else:
             raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")

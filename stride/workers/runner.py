@@ -17,7 +17,7 @@ import torch
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
-from stride.workers.loader import ProgressCallback, load_model
+from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import use_fused_kernels
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ class ModelRunner:
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
         self.backend = get_backend(attention_backend, self.device.type)
-        self.model = load_model(model_path, self.device, self.dtype, progress)
+        # GGUF Q4 projections stay 4-bit under the W4A16 GEMM with the triton backend on CUDA (STRIDE_W4A16).
+        self.w4a16 = use_w4a16(self.device.type, self.backend.name)
+        self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16)
         self.args = self.model.args
         self.block_size = block_size
         if num_blocks is None:

@@ -11,16 +11,23 @@ RMSNorm and the gated MLP have two paths: plain PyTorch (the default, and the re
 Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, SiLU-and-mul in one pass), which
 :func:`use_fused_kernels` switches on per model when the worker runs the ``triton`` backend. Both round where
 transformers rounds, so they agree to float rounding.
+
+:class:`W4A16Linear` is the 4-bit variant of both linears: the loader swaps it in (before any weight is
+allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
+    from kernels.w4a16 import W4A16Weight
 
 
 class ColumnParallelLinear(nn.Module):
@@ -68,6 +75,81 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With tp_size > 1 an all-reduce of the partial sums goes here.
         return F.linear(x, self.weight)
+
+
+class W4A16Linear(nn.Module):
+    """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16.W4A16Weight`, as buffers ``qweight``
+    (K // 8, N), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
+
+    Stands in for a :class:`ColumnParallelLinear` (``split="column"``: a rank keeps its columns of N, shard by
+    shard, as there) or a :class:`RowParallelLinear` (``split="row"``: its slice of K, whole groups only).
+    ``load_full`` takes an unsharded ``W4A16Weight`` (already on the device) instead of a dense tensor.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        split: str,
+        scale_dtype: torch.dtype,
+        group_size: int = 32,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        assert split in ("column", "row"), split
+        self.split, self.group_size, self.tp_rank, self.tp_size = split, group_size, tp_rank, tp_size
+        self.output_sizes = list(output_sizes)  # this rank's, as ColumnParallelLinear.output_sizes
+        k, n = in_features, sum(self.output_sizes)
+        if k % group_size or group_size % 8:
+            raise ValueError(f"in_features {k} (this rank's) is not a whole number of {group_size}-groups")
+        # NaN scales mark "not loaded" for the loader's check, as NaN weights do for the dense linears.
+        self.register_buffer("qweight", torch.zeros(k // 8, n, dtype=torch.int32))
+        self.register_buffer("scales", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
+        self.register_buffer("mins", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
+
+    @classmethod
+    def replacing(cls, linear: nn.Module, scale_dtype: torch.dtype, group_size: int = 32) -> W4A16Linear:
+        """The 4-bit stand-in for ``linear`` (same shapes, same shards, same rank)."""
+        if isinstance(linear, ColumnParallelLinear):
+            return cls(linear.in_features, linear.output_sizes, "column", scale_dtype, group_size,
+                       linear.tp_rank, linear.tp_size)
+        if isinstance(linear, RowParallelLinear):
+            n, k = linear.weight.shape
+            return cls(k, [n], "row", scale_dtype, group_size, linear.tp_rank, linear.tp_size)
+        raise TypeError(f"no W4A16 variant of {type(linear).__name__}")
+
+    @property
+    def in_features(self) -> int:
+        return int(self.qweight.shape[0]) * 8
+
+    def load_full(self, full: W4A16Weight, shard: int = 0) -> None:
+        """Copy this rank's part of the unsharded packed weight number ``shard`` into place."""
+        if full.group_size != self.group_size:
+            raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
+        parts = (full.qweight, full.scales, full.mins)
+        if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
+            size = self.output_sizes[shard]
+            offset = sum(self.output_sizes[:shard])
+            for dst, src in zip((self.qweight, self.scales, self.mins), parts, strict=True):
+                dst[:, offset : offset + size].copy_(src.narrow(1, self.tp_rank * size, size))
+        else:
+            k = self.in_features
+            self.qweight.copy_(full.qweight.narrow(0, self.tp_rank * k // 8, k // 8))
+            groups = k // self.group_size
+            self.scales.copy_(full.scales.narrow(0, self.tp_rank * groups, groups))
+            self.mins.copy_(full.mins.narrow(0, self.tp_rank * groups, groups))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w4a16 = _kernel("w4a16")
+        weight = w4a16.W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
+        y = w4a16.w4a16_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        # With split="row" and tp_size > 1 an all-reduce of the partial sums goes here.
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 _KERNELS: dict[str, ModuleType] = {}

@@ -1,0 +1,124 @@
+"""GGUF Q4_0/Q4_1 projections kept 4-bit (W4A16Linear over the W4A16 GEMM) give the model that the
+dequantising loader gives. CPU: the kernels through Triton's interpreter, float32, the tiny Llama written to
+GGUF as llama.cpp's converter writes it (q/k rows permuted)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_worker_loader import write_gguf
+from test_worker_triton import Steps, count_calls
+
+import kernels  # noqa: F401  (before Triton loads: without CUDA it turns on the interpreter; see test_worker_triton)
+from kernels.w4a16 import W4A16Weight, dequantize
+from stride.workers import loader
+from stride.workers.loader import load_model, use_w4a16
+from stride.workers.models import layers
+from stride.workers.models.layers import W4A16Linear
+from stride.workers.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@pytest.fixture(scope="module")
+def gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+    cfg = dict(make["PRESETS"]["tiny-llama"], rope_scaling=None)  # GGUF has no llama3 parameters
+    out = tmp_path_factory.mktemp("w4a16")
+    hf = make["write_checkpoint"](cfg, out / "hf", torch.float32, seed=5)
+    return {q: write_gguf(hf, out / f"m-{q}.gguf", q) for q in ("Q4_0", "Q4_1")}
+
+
+def _dequantised(module: W4A16Linear) -> torch.Tensor:
+    return dequantize(W4A16Weight(module.qweight, module.scales, module.mins, module.group_size))
+
+
+def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STRIDE_W4A16", raising=False)
+    assert use_w4a16("cuda", "triton")
+    assert not use_w4a16("cpu", "triton") and not use_w4a16("cuda", "torch")
+    monkeypatch.setenv("STRIDE_W4A16", "0")
+    assert not use_w4a16("cuda", "triton")
+    monkeypatch.setenv("STRIDE_W4A16", "1")
+    assert use_w4a16("cpu", "torch")
+
+
+def test_only_all_q4_projections_are_packed() -> None:
+    # A merged projection is packed only when every tensor in it is Q4_0/Q4_1 (types may mix among those).
+    types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
+             "ffn_up": "Q4_0", "ffn_down": "F16", "attn_norm": "F32"}
+    tensors = [SimpleNamespace(name=f"blk.0.{k}.weight", tensor_type=SimpleNamespace(name=t))
+               for k, t in types.items()]
+    got = loader._w4a16_projections(SimpleNamespace(tensors=tensors), SimpleNamespace(num_layers=1))  # type: ignore[arg-type]
+    assert got == {
+        "blk.0.attn_output.weight": "layers.0.self_attn.o_proj",
+        "blk.0.ffn_gate.weight": "layers.0.mlp.gate_up_proj",
+        "blk.0.ffn_up.weight": "layers.0.mlp.gate_up_proj",
+    }
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_packed_projections_hold_the_gguf_weights(
+    gguf_paths: dict[str, Path], qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(gguf_paths[qtype])
+    dense = load_model(path)
+    packed = load_model(path, w4a16=True)
+    n = dense.args.num_layers
+    names = [f"layers.{i}.{p}" for i in range(n) for p in PROJECTIONS]
+    assert sorted(names) == sorted(k for k, m in packed.named_modules() if isinstance(m, W4A16Linear))
+    assert not any(k.startswith(tuple(names)) for k, _ in packed.named_parameters())  # no 16/32-bit copy
+    for name in names:  # the very weights the dequantising loader makes (q/k un-permuted alike)
+        assert torch.equal(_dequantised(packed.get_submodule(name)), dense.get_submodule(name).weight), name
+    assert torch.equal(packed.lm_head.weight, dense.lm_head.weight)
+    # A bfloat16 run keeps float16 scales, which hold GGUF's fp16 d (and m, or -8d) exactly.
+    half = load_model(path, dtype=torch.bfloat16, w4a16=True)
+    qkv = half.layers[1].self_attn.qkv_proj
+    assert qkv.scales.dtype == torch.float16
+    assert torch.equal(_dequantised(qkv), dense.layers[1].self_attn.qkv_proj.weight)
+    # Negative control: without the un-permutation q and k rows are out of place (v and o are not).
+    monkeypatch.setattr(loader, "unpermute_qk", lambda w, num_heads: w)
+    wrong = load_model(path, w4a16=True).layers[1].self_attn
+    q_size = dense.args.num_heads * dense.args.head_dim
+    want = dense.layers[1].self_attn.qkv_proj.weight
+    assert not torch.equal(_dequantised(wrong.qkv_proj)[:q_size], want[:q_size])
+    assert torch.equal(_dequantised(wrong.o_proj), dense.layers[1].self_attn.o_proj.weight)
+
+
+@torch.inference_mode()
+def test_w4a16_worker_equals_dequantised_worker(
+    gguf_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(gguf_paths["Q4_1"])  # the default model's type
+    kw = dict(device="cpu", num_blocks=40, block_size=4)
+    monkeypatch.setenv("STRIDE_W4A16", "0")
+    ref = ModelRunner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    monkeypatch.setenv("STRIDE_W4A16", "1")  # forces the CUDA default on the CPU
+    tri = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    assert (ref.w4a16, tri.w4a16) == (False, True)
+    w4a16 = layers._kernel("w4a16")
+    fake = SimpleNamespace(W4A16Weight=w4a16.W4A16Weight, w4a16_matmul=w4a16.w4a16_matmul)
+    monkeypatch.setitem(layers._KERNELS, "w4a16", fake)
+    calls = count_calls(monkeypatch, fake, "w4a16_matmul")
+    steps = Steps(40, 4, ref.args.vocab_size)
+    steps.schedule.append([(1, 1)])  # a lone decode: one activation row takes the GEMV path
+    want = steps.run(ref)
+    assert calls["n"] == 0
+    got = steps.run(tri)
+    assert calls["n"] == len(steps.schedule) * len(PROJECTIONS) * ref.args.num_layers
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-5, f"step {i}: max logit error {err:.3g}"
+    # Negative control: the packed q/k without the un-permutation (the dense reference was loaded with it).
+    monkeypatch.setattr(loader, "unpermute_qk", lambda w, num_heads: w)
+    wrong = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    bad = Steps(40, 4, ref.args.vocab_size)
+    bad.schedule = bad.schedule[:1]
+    errs = [(g - w).abs().max().item() for g, w in zip(bad.run(wrong), want, strict=False)]
+    assert np.max(errs) > 1e-3
