@@ -93,7 +93,8 @@ class Launch:
 
     def start(self) -> None:
         cfg = self.config
-        self._say(f"stride: loading {cfg.worker.model} ({cfg.worker.backend} backend)")
+        what = "simulated backend, cost model of" if cfg.worker.backend == "sim" else "model"
+        self._say(f"stride: loading {what} {cfg.worker.model}")
         for i in range(cfg.server.tokenizer_workers):
             self._spawn("tokenizer", i, cfg)
         tokenizers = {("tokenizer", i) for i in range(cfg.server.tokenizer_workers)}
