@@ -44,7 +44,7 @@ class _Match(NamedTuple):
     tokens: np.ndarray
     as_list: list[int] | None
     index_version: int
-    hits: list[int]
+    hits: np.ndarray
     last_hash: bytes
 
 
@@ -117,13 +117,14 @@ class BlockManager:
         if n == 0:
             raise ValueError("cannot allocate an empty prompt")
         need = self._blocks_for(n)
+        # Both are 1-D TOKEN_DTYPE arrays, so equal bytes mean equal tokens (about 2x array_equal's speed).
         if (memo is not None and memo.tenant == tenant and memo.index_version == self._prefix.version
-                and (tokens is memo.tokens or np.array_equal(memo.tokens, tokens))):
+                and (tokens is memo.tokens or memo.tokens.tobytes() == tokens.tobytes())):
             hits, last_hash = memo.hits, memo.last_hash  # just matched, and the index is unchanged
         else:
             hits, last_hash = self._match(tenant, tokens)
         ref = self._ref
-        revived = [b for b, r in zip(hits, ref[hits].tolist(), strict=True) if r == 0]
+        revived = hits[ref[hits] == 0].tolist()
         num_revived = len(revived)
         num_new = need - len(hits)
         if num_new > self._free.num + self._cached.num - num_revived:
@@ -352,16 +353,18 @@ class BlockManager:
             seed = self._tenant_seeds[tenant] = tenant_seed(tenant)
         return seed
 
-    def _match(self, tenant: str, tokens: np.ndarray) -> tuple[list[int], bytes]:
+    def _match(self, tenant: str, tokens: np.ndarray) -> tuple[np.ndarray, bytes]:
+        """The hit blocks (an index array: allocate reads and writes ref counts and the row with it) and the
+        address the hit chain ends on."""
         seed = self._tenant_seed(tenant)
         if not self.enable_prefix_caching:
-            return [], seed
+            return np.zeros(0, dtype=np.intp), seed
         known = self._chains.known(seed, tokens)
         hits, last_hash, hashes = self._prefix.match(seed, tokens, self.block_size, known)
         # Worth remembering only a chain that reaches indexed blocks and learned something new.
         if hits and len(hashes) > len(known):
             self._chains.remember(seed, tokens, hashes)
-        return hits, last_hash
+        return np.array(hits, dtype=np.intp), last_hash
 
     def _take(self, count: int) -> np.ndarray:
         """``count`` blocks made live with ref count 1: free ones first, then evicted cached ones."""
