@@ -24,14 +24,13 @@ that cross a block boundary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from hashlib import blake2b
 from typing import NamedTuple
 
 import numpy as np
 
 from stride.sched.block_invariants import check_invariants
 from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet, NoFreeBlocksError
-from stride.sched.prefix_hash import DIGEST_SIZE, TOKEN_DTYPE, ChainMemo, as_token_array, chain_from, tenant_seed
+from stride.sched.prefix_hash import BLANK_HASHER, TOKEN_DTYPE, ChainMemo, as_token_array, chain_from, tenant_seed
 from stride.sched.prefix_index import PrefixIndex
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
@@ -168,7 +167,7 @@ class BlockManager:
         slots = np.asarray(slots, dtype=np.intp)
         nums = np.asarray(num_computed_tokens, dtype=np.int64)
         num_full, first = nums // self.block_size, self._num_hashed[slots]
-        todo = np.nonzero(num_full > first)[0]
+        todo = np.flatnonzero(num_full > first)
         if not todo.size:
             return
         slots, nums, num_full, first = slots[todo], nums[todo], num_full[todo], first[todo]
@@ -179,19 +178,25 @@ class BlockManager:
         # The decode case: exactly one block just became full. Gather those blocks' tokens and ids with
         # two vector reads, then hash in one loop.
         one = num_full == first + 1
-        one_slots, one_first = slots[one], first[one]
+        if one.all():  # the usual decode step: skip the split (each small numpy call costs ~1 us)
+            one_slots, one_first, rest_slots, rest_nums = slots, first, [], []
+        else:
+            one_slots, one_first = slots[one], first[one]
+            rest_slots, rest_nums = slots[~one].tolist(), nums[~one].tolist()
         if one_slots.size:
             data = self._token_blocks[one_slots, one_first].tobytes()
             blocks = self.block_tables[one_slots, one_first].tolist()
             self._num_hashed[one_slots] = one_first + 1
             step, last_hash = self.block_size * TOKEN_DTYPE.itemsize, self._last_hash
-            one_list = one_slots.tolist()
-            hashes = [blake2b(last_hash[slot] + data[i:i + step], digest_size=DIGEST_SIZE).digest()
-                      for slot, i in zip(one_list, range(0, len(data), step), strict=True)]
+            blank = BLANK_HASHER.copy
+            hashes: list[bytes] = []
+            for slot, i in zip(one_slots.tolist(), range(0, len(data), step), strict=True):
+                hasher = blank()
+                hasher.update(last_hash[slot] + data[i:i + step])
+                last_hash[slot] = h = hasher.digest()
+                hashes.append(h)
             self._prefix.add_many(blocks, hashes)
-            for slot, h in zip(one_list, hashes, strict=True):
-                last_hash[slot] = h
-        for slot, n in zip(slots[~one].tolist(), nums[~one].tolist(), strict=True):
+        for slot, n in zip(rest_slots, rest_nums, strict=True):
             self._index_upto(slot, n)
 
     def can_append(self, slot: int) -> bool:
@@ -239,8 +244,8 @@ class BlockManager:
         if len(slots) and (nb.min() == 0 or np.bincount(slots).max() > 1):
             raise ValueError("append_many needs distinct, occupied slots")
         n = self._num_tokens[slots]
-        grow = n == nb * self.block_size
-        if grow.any():
+        grow = np.flatnonzero(n == nb * self.block_size)  # positions: two small takes beat two mask scans
+        if grow.size:
             grow_slots, grow_nb = slots[grow], nb[grow]
             if grow_nb.max() >= self.max_blocks_per_seq:
                 raise ValueError(f"slot {int(grow_slots[grow_nb.argmax()])}: block table row is full")

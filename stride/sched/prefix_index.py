@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from hashlib import blake2b
-
 import numpy as np
 
-from stride.sched.prefix_hash import DIGEST_SIZE, TOKEN_DTYPE
+from stride.sched.prefix_hash import BLANK_HASHER, TOKEN_DTYPE
 
 
 class PrefixIndex:
@@ -46,7 +44,9 @@ class PrefixIndex:
             if i < len(hashes):
                 nh = hashes[i]
             else:
-                nh = blake2b(h + data[i * step:(i + 1) * step], digest_size=DIGEST_SIZE).digest()
+                hasher = BLANK_HASHER.copy()
+                hasher.update(h + data[i * step:(i + 1) * step])
+                nh = hasher.digest()
                 hashes.append(nh)
             b = by_address.get(nh)
             if b is None:
