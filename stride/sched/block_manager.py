@@ -65,7 +65,7 @@ class BlockManager:
         block_tables.fill(-1)
 
         self._free = FreeList(num_blocks)
-        self._cached = EvictableLRU()
+        self._cached = EvictableLRU(num_blocks)
         self._live = LiveSet(num_blocks)
         self._ref = np.zeros(num_blocks, dtype=np.int32)  # numpy: allocate, fork and free touch many at once
         self._prefix = PrefixIndex(num_blocks)
@@ -410,7 +410,7 @@ class BlockManager:
         if gone.size:
             indexed = self._prefix.indexed[gone]
             self._live.remove_many(gone)
-            self._cached.push_many(gone[indexed].tolist())
+            self._cached.push_many(gone[indexed])
             self._free.push_many(gone[~indexed])
         row[:nb] = -1
         self._num_tokens[slot] = 0

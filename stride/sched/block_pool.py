@@ -8,7 +8,6 @@ shows up as a failure instead of being absorbed by the algebra.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,47 +84,85 @@ class EvictableLRU:
     """Cached blocks (ref count 0, still indexed), least recently freed first. Owns ``num_cached``.
 
     Callers push a freed chain tail first, so within one chain the tail is evicted before its head: a head
-    evicted first would strand its still-cached tail (a lookup stops at the first miss)."""
+    evicted first would strand its still-cached tail (a lookup stops at the first miss).
 
-    __slots__ = ("_blocks", "num")
+    A numpy queue in push order with lazy removal, so a freed sequence's blocks go in with one slice write
+    (an OrderedDict took ~0.15 us per block). ``_pos[b]`` is the queue position of block b's entry, -1 when
+    b is not cached; an entry whose block's ``_pos`` points elsewhere is stale and skipped when popped.
+    The queue is compacted when it runs out of room. ``size()`` counts the live entries of the queue
+    itself, independently of ``num``."""
 
-    def __init__(self) -> None:
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+    __slots__ = ("_queue", "_pos", "_head", "_tail", "num")
+
+    def __init__(self, capacity: int) -> None:
+        self._queue = np.empty(2 * capacity + 16, dtype=np.int64)
+        self._pos = np.full(capacity, -1, dtype=np.int64)
+        self._head = 0  # entries before head were popped
+        self._tail = 0
         self.num = 0
 
-    def push(self, block_id: int) -> None:
-        self._blocks[block_id] = None
-        self.num += 1
+    def _valid(self, start: int, end: int) -> np.ndarray:
+        """Which entries of ``_queue[start:end]`` are live (the block's position points back at them)."""
+        return self._pos[self._queue[start:end]] == np.arange(start, end)
 
-    def push_many(self, block_ids: list[int]) -> None:
-        """Push in list order: the first is evicted first."""
-        # A plain loop: OrderedDict.update takes the generic mapping path, about 2x slower (measured).
-        blocks = self._blocks
-        for b in block_ids:
-            blocks[b] = None
-        self.num += len(block_ids)
+    def _make_room(self, count: int) -> None:
+        if self._tail + count <= len(self._queue):
+            return
+        keep = self._queue[self._head:self._tail][self._valid(self._head, self._tail)]
+        if len(keep) + count > len(self._queue):  # only when blocks were pushed twice; stay exact anyway
+            self._queue = np.empty(2 * (len(keep) + count), dtype=np.int64)
+        self._queue[:len(keep)] = keep
+        self._pos[keep] = np.arange(len(keep))
+        self._head, self._tail = 0, len(keep)
+
+    def push(self, block_id: int) -> None:
+        self.push_many([block_id])
+
+    def push_many(self, block_ids: np.ndarray | list[int]) -> None:
+        """Push in order: the first is evicted first."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        count = len(ids)
+        self._make_room(count)
+        tail = self._tail
+        self._queue[tail:tail + count] = ids
+        self._pos[ids] = np.arange(tail, tail + count)
+        self._tail = tail + count
+        self.num += count
 
     def remove(self, block_id: int) -> None:
-        del self._blocks[block_id]
+        if self._pos.item(block_id) < 0:
+            raise KeyError(block_id)
+        self._pos[block_id] = -1  # its queue entry is now stale
         self.num -= 1
 
     def pop_oldest_many(self, count: int) -> list[int]:
         if count > self.num:
             raise NoFreeBlocksError(f"asked to evict {count} blocks, have {self.num}")
-        pop = self._blocks.popitem
-        out = [pop(last=False)[0] for _ in range(count)]
+        out: list[int] = []
+        while len(out) < count:
+            need = count - len(out)
+            if self._head == self._tail:
+                raise AssertionError(f"num_cached = {self.num} but the evictable queue ran out")
+            end = min(self._head + max(2 * need, 64), self._tail)  # a window: stale entries are skipped
+            live = np.flatnonzero(self._valid(self._head, end))[:need]
+            taken = self._queue[self._head + live]
+            self._pos[taken] = -1
+            out.extend(taken.tolist())
+            self._head = self._head + int(live[-1]) + 1 if len(live) == need else end
         self.num -= count
         return out
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._blocks
+        pos = self._pos.item(block_id)
+        return pos >= self._head and self._queue.item(pos) == block_id
 
     def size(self) -> int:
-        return len(self._blocks)
+        return int(np.count_nonzero(self._valid(self._head, self._tail)))
 
     def block_ids(self) -> list[int]:
         """Oldest (next to evict) first."""
-        return list(self._blocks)
+        ids: list[int] = self._queue[self._head:self._tail][self._valid(self._head, self._tail)].tolist()
+        return ids
 
 
 class LiveSet:
