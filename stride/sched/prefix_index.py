@@ -37,17 +37,21 @@ class PrefixIndex:
         by_address = self._by_address
         step = block_size * TOKEN_DTYPE.itemsize
         data = tokens.tobytes()
-        hits: list[int] = []
-        hashes = known[:(len(tokens) - 1) // block_size]
-        h = seed
-        for i in range((len(tokens) - 1) // block_size):
-            if i < len(hashes):
-                nh = hashes[i]
-            else:
-                hasher = BLANK_HASHER.copy()
-                hasher.update(h + data[i * step:(i + 1) * step])
-                nh = hasher.digest()
-                hashes.append(nh)
+        num_candidates = (len(tokens) - 1) // block_size
+        hashes = known[:num_candidates]
+        # The known addresses are looked up at C speed (map); the chain stops at the first miss.
+        found = list(map(by_address.get, hashes))
+        if None in found:
+            num_hits = found.index(None)
+            hits: list[int] = found[:num_hits]  # type: ignore[assignment]  # no None before num_hits
+            return hits, hashes[num_hits - 1] if num_hits else seed, hashes
+        hits = found  # type: ignore[assignment]  # no None
+        h = hashes[-1] if hashes else seed
+        for i in range(len(hashes), num_candidates):
+            hasher = BLANK_HASHER.copy()
+            hasher.update(h + data[i * step:(i + 1) * step])
+            nh = hasher.digest()
+            hashes.append(nh)
             b = by_address.get(nh)
             if b is None:
                 break
