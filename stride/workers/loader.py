@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from stride import env
-from stride.model_files import default_model_path
+from stride.model_files import default_model_path, is_gguf
 from stride.workers.models import ModelArgs, Transformer, build_model
 from stride.workers.models.layers import W4A16Linear
 
@@ -61,7 +61,7 @@ def use_w4a16(device_type: str, backend: str) -> bool:
 
 def read_model_args(path: str) -> ModelArgs:
     """Model shape of an HF checkpoint directory or a GGUF file, without loading weights."""
-    if _is_gguf(path):
+    if is_gguf(path):
         import gguf
 
         return _gguf_args(gguf.GGUFReader(path))
@@ -85,7 +85,7 @@ def load_model(
     packed: dict[str, str] = {}  # GGUF tensor → the W4A16Linear it loads into
     # float16 holds GGUF's fp16 scales exactly (bfloat16 would round them); float32 runs stay float32.
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-    if _is_gguf(path):
+    if is_gguf(path):
         import gguf
 
         reader = gguf.GGUFReader(path)
@@ -126,10 +126,6 @@ def load_model(
         raise ValueError(f"{path}: parameters not in the checkpoint: {missing[:8]}")
     model.eval()
     return model
-
-
-def _is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
 
 
 def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
