@@ -37,8 +37,8 @@ class SchedulerLoop:
         self.config = config
         self.buffers = buffers
         self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
-        self.owner: dict[str, int] = {}  # req_id -> tokenizer index
-        self.logprobs: dict[str, int] = {}  # req_id -> top-N asked for
+        # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
+        self.routes: dict[str, tuple[int, int | None]] = {}
         self.inflight: StepPlan | None = None
 
     def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
@@ -49,15 +49,12 @@ class SchedulerLoop:
             return m.RequestFailed(req.req_id, 400, str(e), "invalid_request")
         if refusal is not None:
             return m.RequestFailed(req.req_id, refusal.status, refusal.message, refusal.reason)
-        self.owner[req.req_id] = req.tokenizer_index
-        if req.params.logprobs is not None:
-            self.logprobs[req.req_id] = req.params.logprobs
+        self.routes[req.req_id] = (req.tokenizer_index, req.params.logprobs)
         return None
 
     def on_abort(self, req_id: str, now: float) -> None:
         self.core.abort(req_id, now)
-        self.owner.pop(req_id, None)
-        self.logprobs.pop(req_id, None)
+        self.routes.pop(req_id, None)
 
     def next_step(self, now: float) -> m.StepDescriptor | None:
         if self.inflight is not None or not self.core.has_work():
@@ -83,11 +80,11 @@ class SchedulerLoop:
         for req_id, row, tok, num_prompt, num_cached in zip(
                 batch.req_ids, batch.rows.tolist(), batch.token_ids.tolist(), batch.num_prompt_tokens.tolist(),
                 batch.num_cached_tokens.tolist(), strict=True):
-            owner = self.owner.get(req_id)
-            if owner is None:
+            route = self.routes.get(req_id)
+            if route is None:
                 continue
+            owner, k = route
             lp = top = None
-            k = self.logprobs.get(req_id)
             if k is not None:
                 lp = [float(self.buffers.logprobs[row])]
                 top = [[[int(t), float(v)] for t, v in zip(self.buffers.top_ids[row, :k].tolist(),
@@ -96,16 +93,15 @@ class SchedulerLoop:
             reason = finished.get(req_id)
             by_owner[owner].append(m.TokenOutput(req_id, [tok], reason, num_prompt, num_cached, lp, top))
             if reason is not None:
-                self.owner.pop(req_id, None)
-                self.logprobs.pop(req_id, None)
+                del self.routes[req_id]
         return by_owner
 
     def fail_all(self, message: str) -> dict[int, list[m.TokenOutput]]:
         """Every request ends with an error (the worker failed)."""
         by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
-        for req_id, owner in list(self.owner.items()):
+        for req_id, (owner, _) in self.routes.items():
             by_owner[owner].append(m.TokenOutput(req_id, [], "error", error=message))
-        self.owner.clear()
+        self.routes.clear()
         return by_owner
 
     def stats(self) -> m.SchedulerStats:
