@@ -42,7 +42,7 @@ class ModelStepper:
         self.num_blocks = self.runner.num_blocks
         self.vocab_size = args.vocab_size
         self.sampler = Sampler(config.scheduler.max_num_seqs, args.vocab_size,
-                               eos_token_ids=list(getattr(args, "eos_token_ids", ()) or ()),
+                               eos_token_ids=list(args.eos_token_ids),
                                device=str(self.runner.device), seed=config.worker.seed)
         # Penalised sequences see their prompt and earlier output only as the step inputs flow past;
         # they join the sampler when they first sample.

@@ -1,0 +1,40 @@
+"""The rank worker's step handling: a penalised sequence's prompt and earlier output are collected from the
+step inputs as they flow past (split at its prompt length), so they reach the sampler's penalties."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from stride.params import SamplingParams
+from stride.workers.process import ModelStepper, _needs_history
+
+
+def test_penalties_need_history_and_plain_sampling_does_not() -> None:
+    assert _needs_history(SamplingParams(repetition_penalty=1.2))
+    assert _needs_history(SamplingParams(presence_penalty=0.5))
+    assert _needs_history(SamplingParams(frequency_penalty=-0.5))
+    assert not _needs_history(SamplingParams(temperature=0.7, top_p=0.9))
+
+
+def test_collect_splits_each_sequence_at_its_prompt_length() -> None:
+    stepper = ModelStepper.__new__(ModelStepper)  # only the history bookkeeping is exercised
+    params = SamplingParams(repetition_penalty=1.3)
+    # Slot 5 is penalised (prompt of 4 tokens, resumed after preemption: prompt + 2 outputs recomputed);
+    # slot 2 is not, and its tokens must not be collected.
+    stepper._history = {5: (params, 4, [], [])}
+    buf = SimpleNamespace(
+        seq_slots=np.array([2, 5], np.int32),
+        query_lens=np.array([3, 6], np.int32),
+        token_ids=np.array([70, 71, 72, 10, 11, 12, 13, 20, 21], np.int32),
+        positions=np.array([7, 8, 9, 0, 1, 2, 3, 4, 5], np.int32),
+    )
+    stepper._collect(buf, 2)  # type: ignore[arg-type]
+    _, prompt_len, prompt, output = stepper._history[5]
+    assert (prompt_len, prompt, output) == (4, [10, 11, 12, 13], [20, 21])
+    # A following decode step appends to the output side only.
+    buf2 = SimpleNamespace(seq_slots=np.array([5], np.int32), query_lens=np.array([1], np.int32),
+                           token_ids=np.array([22], np.int32), positions=np.array([6], np.int32))
+    stepper._collect(buf2, 1)  # type: ignore[arg-type]
+    assert stepper._history[5][2:] == ([10, 11, 12, 13], [20, 21, 22])
