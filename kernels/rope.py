@@ -1,7 +1,8 @@
 """Rotary position embedding (HF Llama "rotate_half" layout), with llama3 frequency scaling.
 
 One launch rotates q and k in place for every token: each program takes one token, reads its
-position once and its cos/sin row once, and applies it to all query and key heads.
+cos/sin row once (by position from a table, :func:`apply_rope`, or the token's own row, :func:`apply_rope_cos_sin`,
+which the worker uses) and applies it to all query and key heads.
 """
 
 from __future__ import annotations
@@ -58,17 +59,40 @@ def rope_cos_sin_cache(
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to nearest-even in ``dtype``, kept in float32.
+
+    bfloat16 by bit arithmetic: a plain cast rounds to nearest-even on a GPU but truncates in Triton's
+    interpreter, and the CPU tests check the rounding bit for bit.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cs_ptr,
-    num_q_heads, num_k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    num_q_heads, num_k_heads, half,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, second_half,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BY_POSITION: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    offs_d = tl.arange(0, HALF)
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_d)[None, :]
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d)[None, :]
+    if BY_POSITION:
+        row = tl.load(pos_ptr + tok).to(tl.int64)
+    else:
+        row = tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < half
+    # cos/sin of each half come from their own columns (second_half = 0 when a row holds one half only).
+    cos_row, sin_row = cos_ptr + row * stride_cos, sin_ptr + row * stride_sin
+    cos1 = tl.load(cos_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + second_half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + second_half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     offs_h = tl.arange(0, BLOCK_H)
     for which in tl.static_range(2):
         if which == 0:
@@ -82,38 +106,88 @@ def _rope_kernel(
         for h0 in range(0, num_heads, BLOCK_H):
             heads = h0 + offs_h
             ptrs = base + heads[:, None] * stride_h + offs_d[None, :]
-            mask = heads[:, None] < num_heads
+            mask = (heads[:, None] < num_heads) & d_mask[None, :]
             x1 = tl.load(ptrs, mask=mask, other=0.0)
-            x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+            x2 = tl.load(ptrs + half, mask=mask, other=0.0)
             a = x1.to(tl.float32)
             b = x2.to(tl.float32)
-            tl.store(ptrs, (a * cos - b * sin).to(x1.dtype), mask=mask)
-            tl.store(ptrs + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+            if ROUND_PRODUCTS:
+                # Eager PyTorch's ``x * cos + rotate_half(x) * sin``: each product rounds to x's dtype, then
+                # the sum does (``-(b * s)`` rounds like ``(-b) * s``, so the subtraction matches too).
+                out1 = _rounded(_rounded(a * cos1, x1.dtype) - _rounded(b * sin1, x1.dtype), x1.dtype)
+                out2 = _rounded(_rounded(b * cos2, x1.dtype) + _rounded(a * sin2, x1.dtype), x1.dtype)
+            else:
+                out1 = a * cos1 - b * sin1
+                out2 = b * cos2 + a * sin2
+            tl.store(ptrs, out1.to(x1.dtype), mask=mask)
+            tl.store(ptrs + half, out2.to(x1.dtype), mask=mask)
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    assert q.dim() == 3 and k.dim() == 3, "q and k must be (num_tokens, heads, head_dim)"
+    assert k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], f"k {tuple(k.shape)} does not match q"
+    assert q.dtype == k.dtype, "q and k must share a dtype"
+    check_float("q", q)
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must be contiguous in head_dim"
+    assert q.shape[2] % 2 == 0, "head_dim must be even"
+
+
+def _launch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    second_half: int, round_products: bool,
+) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    block_h = min(16, next_pow2(max(num_q_heads, k.shape[1])))
+    # No fused multiply-adds: a float32 run must round each product as the unfused PyTorch ops do.
+    _rope_kernel[(num_tokens,)](
+        q, k, positions if positions is not None else q, cos, sin, num_q_heads, k.shape[1], head_dim // 2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), second_half,
+        BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
+        ROUND_PRODUCTS=round_products, num_warps=4, enable_fp_fusion=False,
+    )
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate q (num_tokens, num_heads, head_dim) and k (num_tokens, num_kv_heads, head_dim) in place.
 
     positions: (num_tokens,) int32/int64, each < cos_sin.shape[0]; cos_sin from :func:`rope_cos_sin_cache`.
+    Computes in float32 and rounds once, at the end.
     """
-    assert q.dim() == 3 and k.dim() == 3, "q and k must be (num_tokens, heads, head_dim)"
-    num_tokens, num_q_heads, head_dim = q.shape
-    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k {tuple(k.shape)} does not match q"
-    assert q.dtype == k.dtype, "q and k must share a dtype"
-    check_float("q", q)
-    assert q.stride(2) == 1 and k.stride(2) == 1, "q and k must be contiguous in head_dim"
-    assert head_dim % 2 == 0 and next_pow2(head_dim // 2) == head_dim // 2, "head_dim/2 must be a power of 2"
-    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64)
-    assert cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim
+    _check_qk(q, k)
+    half = q.shape[2] // 2
+    assert positions.shape == (q.shape[0],) and positions.dtype in (torch.int32, torch.int64)
+    assert cos_sin.dtype == torch.float32 and cos_sin.dim() == 2 and cos_sin.shape[1] == 2 * half
     assert cos_sin.stride(1) == 1
-    if num_tokens == 0:
-        return
-    block_h = min(16, next_pow2(max(num_q_heads, k.shape[1])))
-    _rope_kernel[(num_tokens,)](
-        q, k, positions, cos_sin, num_q_heads, k.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-        HALF=head_dim // 2, BLOCK_H=block_h, num_warps=4,
-    )
+    _launch(q, k, positions, cos_sin, cos_sin[:, half:], 0, round_products=False)
+
+
+def apply_rope_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k in place, one launch, with per-token ``cos``/``sin`` rows (num_tokens, head_dim) in q's
+    dtype, as transformers makes them (``cat(freqs, freqs)`` in float32, then cast).
+
+    Rounds exactly where eager ``x * cos + rotate_half(x) * sin`` rounds (each product, then the sum), so it
+    gives bit for bit what :func:`apply_rope_cos_sin_reference` gives, in every dtype.
+    """
+    _check_qk(q, k)
+    num_tokens, _, head_dim = q.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        assert t.shape == (num_tokens, head_dim), f"{name} must be ({num_tokens}, {head_dim}), got {tuple(t.shape)}"
+        assert t.dtype == q.dtype and t.stride(1) == 1, f"{name} must be contiguous rows in q's dtype"
+    _launch(q, k, None, cos, sin, head_dim // 2, round_products=True)
+
+
+def apply_rope_cos_sin_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place HF ``apply_rotary_pos_emb`` (rotate-half layout) in q's dtype."""
+    half = q.shape[-1] // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+
+    return rotate(q), rotate(k)
 
 
 def apply_rope_reference(

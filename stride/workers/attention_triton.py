@@ -8,7 +8,9 @@ compare this backend with the torch one that way).
 K/V are written into the cache exactly as the torch backend writes them (one index_put per tensor), then
 one launch attends: ``paged_decode`` when every sequence of the step decodes (split-K over long contexts),
 ``paged_extend`` otherwise (prefill chunks and decode rows together). The step's maxima come from the host
-(:class:`AttentionMetadata`), so nothing here waits on the device.
+(:class:`AttentionMetadata`), so nothing here waits on the device. On CUDA the decode launch takes the autotuned
+config of its shape bucket (:mod:`stride.workers.kernel_configs`); the extend kernel has no tuning spec yet and
+keeps its default.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from kernels.paged_attention import paged_decode, paged_extend
 from stride.workers.attention import AttentionMetadata, TorchPagedAttention
+from stride.workers.kernel_configs import for_device
 
 
 class TritonPagedAttention(TorchPagedAttention):
@@ -35,8 +38,13 @@ class TritonPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         if meta.max_query_len == 1:
+            num_seqs, num_heads, head_dim = q.shape
+            config = for_device(q.device).decode(
+                num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], meta.max_context_len, q.dtype
+            )
             return paged_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
+                config=config,
             )
         return paged_extend(
             q,

@@ -7,10 +7,12 @@ be all-reduced). Weights are loaded through ``load_full`` with the *unsharded* c
 loader never needs to know the rank. Merged projections (qkv, gate_up) hold several checkpoint tensors
 side by side in one weight, which is one matmul instead of three on the hot path.
 
-RMSNorm and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
-Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, SiLU-and-mul in one pass), which
-:func:`use_fused_kernels` switches on per model when the worker runs the ``triton`` backend. Both round where
-transformers rounds, so they agree to float rounding.
+RMSNorm, RoPE and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
+Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, q and k rotated in place in one
+launch, SiLU-and-mul in one pass), which :func:`use_fused_kernels` switches on per model when the worker runs
+the ``triton`` backend. Both round where transformers rounds, so they agree to float rounding (RoPE bit for
+bit). On CUDA the fused calls take their launch configs from the autotune cache
+(:mod:`stride.workers.kernel_configs`), or the launchers' heuristics where it has none.
 
 :class:`W4A16Linear` is the 4-bit variant of both linears: the loader swaps it in (before any weight is
 allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``).
@@ -28,6 +30,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from kernels.w4a16 import W4A16Weight
+    from stride.workers.kernel_configs import KernelConfigs
 
 
 class ColumnParallelLinear(nn.Module):
@@ -147,7 +150,9 @@ class W4A16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w4a16 = _kernel("w4a16")
         weight = w4a16.W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
-        y = w4a16.w4a16_matmul(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        config = _tuned(x.device).w4a16(x2.shape[0], weight.out_features, x2.shape[1], self.group_size, x.dtype)
+        y = w4a16.w4a16_matmul(x2, weight, config=config)
         # With split="row" and tp_size > 1 an all-reduce of the partial sums goes here.
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -164,6 +169,13 @@ def _kernel(name: str) -> ModuleType:
     return _KERNELS[name]
 
 
+def _tuned(device: torch.device) -> KernelConfigs:
+    """The autotuned launch configs for ``device`` (loaded once per process; none on CPU)."""
+    from stride.workers.kernel_configs import for_device  # Triton-side, like _kernel
+
+    return for_device(device)
+
+
 class RMSNorm(nn.Module):
     """Normalised in float32, scaled in the run dtype, exactly as transformers' Llama does."""
 
@@ -178,7 +190,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps)[0]
+            config = _tuned(x.device).rmsnorm(x.shape[0], x.shape[1], x.dtype)
+            return _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps, config=config)[0]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -186,7 +199,8 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``h = x + residual`` rounded to the run dtype; returns ``(norm(h), h)`` (one pass when fused)."""
         if self.fused:
-            out, h = _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps, residual)
+            config = _tuned(x.device).rmsnorm(x.shape[0], x.shape[1], x.dtype)
+            out, h = _kernel("rmsnorm").rmsnorm(x, self.weight, self.eps, residual, config=config)
             return out, h
         h = x + residual
         return self.forward(h), h
@@ -222,6 +236,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+class Rope(nn.Module):
+    """Rotates a layer's q and k with the step's ``cos``/``sin`` (from :func:`rope_cos_sin`, shared by every
+    layer). Fused: one Triton launch rotates both in place (they are views of the qkv output, nobody else's),
+    rounding exactly where :func:`apply_rope` rounds, so both paths give the same bits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            _kernel("rope").apply_rope_cos_sin(q, k, cos, sin)
+            return q, k
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate/up merged and column-parallel, down row-parallel."""
 
@@ -240,7 +272,7 @@ class GatedMLP(nn.Module):
 
 
 def use_fused_kernels(model: nn.Module, enabled: bool) -> None:
-    """Switch every RMSNorm and gated MLP of ``model`` to the fused Triton kernels (or back)."""
+    """Switch every RMSNorm, RoPE and gated MLP of ``model`` to the fused Triton kernels (or back)."""
     for module in model.modules():
-        if isinstance(module, RMSNorm | GatedMLP):
+        if isinstance(module, RMSNorm | Rope | GatedMLP):
             module.fused = enabled

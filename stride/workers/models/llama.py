@@ -20,8 +20,8 @@ from stride.workers.models.layers import (
     Embedding,
     GatedMLP,
     RMSNorm,
+    Rope,
     RowParallelLinear,
-    apply_rope,
     rope_cos_sin,
 )
 
@@ -55,14 +55,17 @@ class Attention(nn.Module):
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], tp_rank, tp_size)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, tp_rank, tp_size)
+        self.rope = Rope()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self.rope(
+            q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            cos, sin,
+        )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
         # Write first, for every sequence of the step, then attend: shared prefix blocks are then complete.

@@ -1,0 +1,120 @@
+"""Autotuned launch configurations for the worker's kernel call sites.
+
+``scripts/tune_kernels.py`` (or ``scripts/bench_kernels.py``) fills the :class:`kernels.autotune.AutotuneCache`
+file on a GPU, under that GPU's name, a kernel name and a shape bucket (``kernels/autotune_specs.py``). A
+worker on CUDA with the triton backend reads that file once (:func:`for_device`); each fused call site then
+asks :class:`KernelConfigs` for the config of its shape. The first call in a bucket reads the cache's entry,
+every later one is a dict lookup. ``None`` means "no tuned config": the launcher uses its heuristic.
+
+On CPU (Triton's interpreter) nothing is loaded: launch configs there change nothing but speed. A missing or
+unreadable file, or an entry that no longer fits its config class, is logged once and treated as absent.
+
+Imported only on the Triton path (it imports the kernels); the torch backend never gets here.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels import autotune as at
+from kernels import autotune_specs as specs
+from kernels._util import next_pow2
+
+log = logging.getLogger(__name__)
+
+
+class KernelConfigs:
+    """The cached choices of one GPU, memoised per shape bucket. ``cache=None``: always ``None``."""
+
+    def __init__(self, cache: at.AutotuneCache | None, gpu: str) -> None:
+        self.cache, self.gpu = cache, gpu
+        self._memo: dict[tuple[Any, ...], Any] = {}
+
+    def decode(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+        max_context_len: int, dtype: torch.dtype,
+    ) -> Any | None:
+        """:class:`kernels.paged_attention.DecodeConfig` for a decode-only step, or None."""
+        if self.cache is None:
+            return None
+        # The bucket rounds batch and context up to powers of two; so does this key.
+        key = ("decode", next_pow2(num_seqs), next_pow2(max_context_len), num_heads, num_kv_heads, head_dim,
+               block_size, dtype)
+        if key not in self._memo:
+            shape = specs.DecodeShape(key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], dtype)
+            self._memo[key] = self._lookup(specs.PAGED_DECODE, shape)
+        return self._memo[key]
+
+    def w4a16(self, m: int, n: int, k: int, group_size: int, dtype: torch.dtype) -> Any | None:
+        """:class:`kernels.w4a16.W4A16Config` for an (m, k) x (k, n) product, or None."""
+        if self.cache is None:
+            return None
+        key = ("w4a16", next_pow2(m), n, k, group_size, dtype)
+        if key not in self._memo:
+            self._memo[key] = self._lookup(specs.W4A16, specs.GemmShape(key[1], n, k, group_size, dtype))
+        return self._memo[key]
+
+    def rmsnorm(self, num_rows: int, hidden: int, dtype: torch.dtype) -> Any | None:
+        """:class:`kernels.rmsnorm.RMSNormConfig` for (num_rows, hidden), or None."""
+        if self.cache is None:
+            return None
+        key = ("rmsnorm", next_pow2(num_rows), hidden, dtype)
+        if key not in self._memo:
+            self._memo[key] = self._lookup(specs.RMSNORM, specs.NormShape(key[1], hidden, dtype))
+        return self._memo[key]
+
+    def _lookup(self, spec: at.KernelSpec, shape: Any) -> Any | None:
+        assert self.cache is not None
+        bucket = spec.bucket(shape)
+        try:
+            return self.cache.get(spec, self.gpu, bucket)
+        except (KeyError, TypeError) as exc:  # an entry written for another version of the config class
+            log.warning("autotune cache %s: entry %s unusable (%s); using the heuristic",
+                        self.cache.path, at.AutotuneCache.key(self.gpu, spec.name, bucket), exc)
+            return None
+
+
+def device_gpu_name(device: torch.device) -> str | None:
+    """The name the cache is keyed by (:func:`kernels.autotune.gpu_name`), or None where nothing is tuned."""
+    return at.gpu_name(device) if device.type == "cuda" else None
+
+
+def load(device: torch.device, path: Path | str | None = None) -> KernelConfigs:
+    """Read the cache file (``path``, else ``STRIDE_AUTOTUNE_CACHE``, else the default) for ``device``."""
+    gpu = device_gpu_name(device)
+    if gpu is None:
+        return KernelConfigs(None, "")
+    where = Path(path) if path is not None else at.default_cache_path()
+    try:
+        cache = at.AutotuneCache(where)
+    except (OSError, ValueError, AttributeError, TypeError) as exc:  # unreadable, not JSON, not the layout
+        log.warning("autotune cache %s unreadable (%s); using the kernels' heuristic configs", where, exc)
+        return KernelConfigs(None, gpu)
+    mine = sum(1 for key in cache.entries if key.startswith(f"{gpu}|"))
+    if mine:
+        log.info("autotune cache %s: %d tuned configs for %s", where, mine, gpu)
+    else:
+        log.info("autotune cache %s has no configs for %s; using the kernels' heuristic configs (fill it with "
+                 "scripts/tune_kernels.py)", where, gpu)
+    return KernelConfigs(cache, gpu)
+
+
+_LOADED: dict[torch.device, KernelConfigs] = {}
+
+
+def for_device(device: torch.device) -> KernelConfigs:
+    """The configs of ``device``, loaded on first use and kept for the process (a worker restart re-reads
+    the file)."""
+    configs = _LOADED.get(device)
+    if configs is None:
+        configs = _LOADED[device] = load(device)
+    return configs
+
+
+def forget() -> None:
+    """Drop what :func:`for_device` loaded (tests; a new file is read on next use)."""
+    _LOADED.clear()
