@@ -1,0 +1,256 @@
+"""The worker's fused path uses the RoPE kernel (bit for bit the torch path's maths) and the autotune cache
+(each call site gets its shape bucket's cached config, or None). CPU: Triton's interpreter, tiny Llama with
+llama3 RoPE scaling."""
+
+from __future__ import annotations
+
+import json
+import logging
+import runpy
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_worker_triton import Steps, count_calls, make_checkpoint
+
+import kernels  # noqa: F401  (first: without CUDA it turns on Triton's interpreter before Triton loads)
+import stride.workers.attention_triton as attention_triton
+from kernels import autotune as at
+from kernels import autotune_specs as specs
+from kernels import rope as rope_kernels
+from kernels.paged_attention import DecodeConfig
+from kernels.rmsnorm import RMSNormConfig
+from kernels.w4a16 import W4A16Config, random_weight
+from stride.workers import kernel_configs
+from stride.workers.models import layers
+from stride.workers.models.args import ModelArgs, RopeScaling
+from stride.workers.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_GPU = "Fake GPU 141GB"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"), torch.float32)
+
+
+def _qkv(num_tokens: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_tokens, 9 + 3 + 3, 64, generator=gen) * 3).to(dtype)
+
+
+# ---- RoPE ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None:
+    """q and k rotated in place by one launch give the torch path's bits, at positions far past the llama3
+    original context (large angles), with q/k strided views of a qkv output and v left alone."""
+    args = ModelArgs(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
+                     num_kv_heads=3, head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
+    positions = torch.tensor([0, 1, 7, 63, 64, 65, 1000, 8191, 100_000, 131_071])
+    cos, sin = layers.rope_cos_sin(args.inv_freq(), positions, dtype)
+    qkv = _qkv(len(positions), dtype, seed=1)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:].clone()
+    want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    rope = layers.Rope()
+    rope.fused = True
+    got_q, got_k = rope(q, k, cos, sin)
+    assert got_q.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, 12:], v)
+    # Negative control: the float32-table kernel (one rounding at the end, cos/sin from float64) is the same
+    # rotation to within rounding but not the same bits in 16-bit dtypes, so equality above is a real check.
+    if dtype != torch.float32:
+        table = rope_kernels.rope_cos_sin_cache(64, int(positions.max()) + 1, 500000.0,
+                                                rope_kernels.Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+        qkv2 = _qkv(len(positions), dtype, seed=1)
+        q2 = qkv2[:, :9]
+        rope_kernels.apply_rope(q2, qkv2[:, 9:12], positions, table)
+        assert not torch.equal(q2, want_q)
+        torch.testing.assert_close(q2[:6].float(), want_q[:6].float(), atol=0.1, rtol=0.02)
+
+
+def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The wrong layout: rotates pairs (2i, 2i + 1) (llama.cpp's) instead of halves."""
+    half = q.shape[-1] // 2
+    for x in (q, k):
+        a, b = x[..., 0::2].clone(), x[..., 1::2].clone()
+        c, s = cos[:, None, :half], sin[:, None, :half]
+        x[..., 0::2], x[..., 1::2] = a * c - b * s, b * c + a * s
+
+
+def _backwards(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The wrong direction: the real kernel rotating by minus the angle."""
+    rope_kernels.apply_rope_cos_sin(q, k, cos, -sin)
+
+
+def _max_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
+
+
+@torch.inference_mode()
+def test_triton_worker_with_fused_rope_equals_torch_worker(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    assert ref.args.rope_scaling.factor != 1.0  # llama3 scaling in play
+    real = layers._kernel("rope").apply_rope_cos_sin
+    monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=real))
+    fused = count_calls(monkeypatch, layers._KERNELS["rope"], "apply_rope_cos_sin")
+    unfused = count_calls(monkeypatch, layers, "apply_rope")
+    steps = Steps(40, 4, ref.args.vocab_size)
+    want = steps.run(ref)
+    assert fused["n"] == 0 and unfused["n"] == 2 * 5 * ref.args.num_layers
+    got = steps.run(tri)
+    assert fused["n"] == 5 * tri.args.num_layers and unfused["n"] == 2 * 5 * ref.args.num_layers
+    assert _max_err(got, want) <= 1e-5
+    # Negative controls: a fused rope with the interleaved layout, or turning the wrong way, lands over 100x
+    # past that tolerance (the tiny random model's logits are small: |logit| < 1).
+    for wrong in (_interleaved, _backwards):
+        monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=wrong))
+        assert _max_err(steps.run(tri), want) > 1e-3, wrong.__name__
+
+
+# ---- autotune cache ----
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A CPU device that answers to FAKE_GPU; the cache file path is returned (not written yet)."""
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(path))
+    monkeypatch.setattr(kernel_configs, "device_gpu_name", lambda device: FAKE_GPU)
+    kernel_configs.forget()
+    yield path
+    kernel_configs.forget()
+
+
+def _put(cache: at.AutotuneCache, spec: at.KernelSpec, gpu: str, shape: Any, config: Any) -> None:
+    cache.put(spec, gpu, spec.bucket(shape), at.Point(at.Candidate("test", lambda p: p, config), 1.0, 0.0))
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, key: Callable[..., Any]) -> list:
+    """Record ``(key(args), config)`` of each call of ``module.name``."""
+    seen: list = []
+    real = getattr(module, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        seen.append((key(*args), kwargs.get("config")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return seen
+
+
+DECODE_CFG = DecodeConfig(block_n=16, partition=16, num_warps=2, num_stages=3)
+NORM_CFG = RMSNormConfig(rows_per_program=2, num_warps=1)
+
+
+@torch.inference_mode()
+def test_worker_call_sites_get_the_cached_configs(
+    tiny_path: Path, fake_gpu: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The schedule's decode-only steps: 3 sequences, longest context 38 then 39 (bucket b4-ctx64), 3 rows.
+    cache = at.AutotuneCache(fake_gpu)
+    _put(cache, specs.PAGED_DECODE, FAKE_GPU, specs.DecodeShape(3, 4, 2, 16, 4, 38, torch.float32), DECODE_CFG)
+    _put(cache, specs.RMSNORM, FAKE_GPU, specs.NormShape(3, 64, torch.float32), NORM_CFG)
+    # Same bucket as the 36-token first step, but another GPU: not ours.
+    _put(cache, specs.RMSNORM, "Other GPU", specs.NormShape(36, 64, torch.float32), NORM_CFG)
+    cache.save()
+    ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    decodes = _spy(monkeypatch, attention_triton, "paged_decode", lambda q, *a: q.shape[0])
+    monkeypatch.setitem(layers._KERNELS, "rmsnorm", SimpleNamespace(rmsnorm=layers._kernel("rmsnorm").rmsnorm))
+    norms = _spy(monkeypatch, layers._KERNELS["rmsnorm"], "rmsnorm", lambda x, *a: x.shape[0])
+    steps = Steps(40, 4, ref.args.vocab_size)
+    want = steps.run(ref)
+    got = steps.run(tri)
+    n = tri.args.num_layers
+    assert decodes == [(3, DECODE_CFG)] * (2 * n)
+    per_step = 2 * n + 1
+    assert [rows for rows, _ in norms] == [r for r in (36, 22, 11, 3, 3) for _ in range(per_step)]
+    assert all(cfg == (NORM_CFG if rows == 3 else None) for rows, cfg in norms)
+    assert _max_err(got, want) <= 1e-5  # and the tuned configs compute the same thing
+
+
+def test_w4a16_linear_gets_its_bucket_config(fake_gpu: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    n, k = 40, 96
+    tuned = W4A16Config(block_m=1, block_n=32, block_k=32, split_k=2, num_warps=2, num_stages=2, gemv=True)
+    cache = at.AutotuneCache(fake_gpu)
+    _put(cache, specs.W4A16, FAKE_GPU, specs.GemmShape(3, n, k, 32, torch.float32), tuned)  # bucket m4
+    cache.save()
+    linear = layers.W4A16Linear(k, [n], "column", torch.float32)
+    linear.load_full(random_weight(n, k, scale_dtype=torch.float32, seed=3))
+    monkeypatch.setitem(layers._KERNELS, "w4a16", SimpleNamespace(**vars(layers._kernel("w4a16"))))
+    seen = _spy(monkeypatch, layers._KERNELS["w4a16"], "w4a16_matmul", lambda x, *a: x.shape[0])
+    x = torch.randn(9, k)
+    for m in (3, 4, 9, 1, 3):
+        linear(x[:m])
+    assert seen == [(3, tuned), (4, tuned), (9, None), (1, None), (3, tuned)]
+    # Once per bucket from the file, then from the memo.
+    configs = kernel_configs.for_device(x.device)
+    reads = count_calls(monkeypatch, configs.cache, "get")
+    for _ in range(3):
+        assert configs.w4a16(2, n, k, 32, torch.float32) is None
+        assert configs.w4a16(4, n, k, 32, torch.float32) == tuned
+    assert reads["n"] == 1  # the m2 bucket, once; m4 was read by the first forward
+
+
+STALE_ENTRY = json.dumps(
+    {"version": 1, "entries": {f"{FAKE_GPU}|rmsnorm|rows64-h64-float32": {"config": {"bogus": 1}}}}
+)
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', STALE_ENTRY], ids=["not-json", "list", "stale"])
+@torch.inference_mode()
+def test_unusable_cache_file_falls_back_to_heuristics(
+    tiny_path: Path, fake_gpu: Path, content: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_gpu.write_text(content)
+    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    monkeypatch.setitem(layers._KERNELS, "rmsnorm", SimpleNamespace(rmsnorm=layers._kernel("rmsnorm").rmsnorm))
+    norms = _spy(monkeypatch, layers._KERNELS["rmsnorm"], "rmsnorm", lambda x, *a: x.shape[0])
+    steps = Steps(40, 4, tri.args.vocab_size)
+    steps.schedule = steps.schedule[:2]  # two steps: rmsnorm on 36 rows (the stale entry's bucket), 22
+    with caplog.at_level(logging.WARNING, logger=kernel_configs.__name__):
+        steps.run(tri)
+    assert norms and all(cfg is None for _, cfg in norms)
+    warnings = [r for r in caplog.records if r.name == kernel_configs.__name__]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # logged once, not per call
+
+
+def test_cpu_without_a_gpu_name_loads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "autotune.json"
+    cache = at.AutotuneCache(path)
+    _put(cache, specs.RMSNORM, at.gpu_name(torch.device("cpu")), specs.NormShape(3, 64, torch.float32), NORM_CFG)
+    cache.save()
+    assert kernel_configs.load(torch.device("cpu"), path).rmsnorm(3, 64, torch.float32) is None
+    # Negative control: the same file, read as that device's GPU, does give the config.
+    monkeypatch.setattr(kernel_configs, "device_gpu_name", at.gpu_name)
+    assert kernel_configs.load(torch.device("cpu"), path).rmsnorm(3, 64, torch.float32) == NORM_CFG
+
+
+# ---- the tuning script ----
+
+
+def test_tune_script_shapes_for_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gguf")
+    script = runpy.run_path(str(ROOT / "scripts" / "tune_kernels.py"), run_name="tune_kernels")
+    from stride.model_files import default_model_path
+
+    args, q4 = script["read_model"](default_model_path())
+    assert q4 == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    shapes = script["tuning_shapes"](args, q4, torch.bfloat16, contexts=(1024, 16384), ms=(1, 16))
+    assert {(s.num_heads, s.num_kv_heads, s.head_dim, s.block_size) for s in shapes.decode} == {(9, 3, 64, 16)}
+    assert sorted({s.context_len for s in shapes.decode}) == [1024, 8192]  # clipped to the model's 8192
+    assert sorted({(s.n, s.k) for s in shapes.w4a16}) == [(576, 576), (576, 1536), (960, 576), (3072, 576)]
+    assert {s.m for s in shapes.w4a16} == {1, 16} and {s.hidden for s in shapes.rmsnorm} == {576}
+    # An HF checkpoint's projections are never 4-bit in the worker: no W4A16 shapes.
+    assert script["tuning_shapes"](args, set(), torch.bfloat16).w4a16 == []
+    assert script["main"](["--dry-run", "--kernels", "rmsnorm", "--rows", "1,8"]) == 0
+    out = capsys.readouterr().out
+    assert "rows1-h576-bfloat16" in out and "rows8-h576-bfloat16" in out and "paged_decode" not in out
