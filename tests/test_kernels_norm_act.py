@@ -11,6 +11,8 @@ from kernels.rmsnorm import RMSNormConfig, rmsnorm, rmsnorm_reference
 from kernels.rope import (
     Llama3RopeScaling,
     apply_rope,
+    apply_rope_cos_sin,
+    apply_rope_cos_sin_reference,
     apply_rope_reference,
     rope_cos_sin_cache,
     rope_inv_freq,
@@ -105,6 +107,25 @@ def test_rope_position_zero_is_identity_and_strided_q_works():
     torch.testing.assert_close(k, ref_k)
     torch.testing.assert_close(qkv[:, 8:], before_v)  # v untouched
     torch.testing.assert_close(q[0], ref_q[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_dim", [(1, 1, 1, 2), (5, 9, 3, 64), (7, 20, 4, 24)])
+def test_rope_cos_sin_is_bit_exact(dtype, num_tokens, heads, kv_heads, head_dim):
+    # The worker's variant: per-token cos/sin rows in the run dtype, rounded like eager PyTorch (head_dim 24:
+    # a half that is not a power of two, masked).
+    gen = torch.Generator().manual_seed(head_dim)
+    inv_freq = rope_inv_freq(head_dim, 10000.0).float()
+    freqs = torch.randint(0, 5000, (num_tokens,), generator=gen).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+    q, k = _rand(num_tokens, heads, head_dim, dtype=dtype, gen=gen), _rand(num_tokens, kv_heads, head_dim,
+                                                                           dtype=dtype, gen=gen)
+    ref_q, ref_k = apply_rope_cos_sin_reference(q, k, cos, sin)
+    apply_rope_cos_sin(q, k, cos, sin)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    with pytest.raises(AssertionError):
+        apply_rope_cos_sin(q, k, cos.float() if dtype != torch.float32 else cos.half(), sin)  # dtype mismatch
 
 
 def test_llama3_inv_freq_matches_transformers():

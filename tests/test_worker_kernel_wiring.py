@@ -31,6 +31,8 @@ from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_GPU = "Fake GPU 141GB"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes CUDA tensors only
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _qkv(num_tokens: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_tokens, 9 + 3 + 3, 64, generator=gen) * 3).to(dtype)
+    return (torch.randn(num_tokens, 9 + 3 + 3, 64, generator=gen) * 3).to(dtype).to(DEVICE)
 
 
 # ---- RoPE ----
@@ -52,8 +54,8 @@ def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None
     original context (large angles), with q/k strided views of a qkv output and v left alone."""
     args = ModelArgs(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
                      num_kv_heads=3, head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
-    positions = torch.tensor([0, 1, 7, 63, 64, 65, 1000, 8191, 100_000, 131_071])
-    cos, sin = layers.rope_cos_sin(args.inv_freq(), positions, dtype)
+    positions = torch.tensor([0, 1, 7, 63, 64, 65, 1000, 8191, 100_000, 131_071], device=DEVICE)
+    cos, sin = layers.rope_cos_sin(args.inv_freq().to(DEVICE), positions, dtype)
     qkv = _qkv(len(positions), dtype, seed=1)
     q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:].clone()
     want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
@@ -67,7 +69,7 @@ def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None
     # rotation to within rounding but not the same bits in 16-bit dtypes, so equality above is a real check.
     if dtype != torch.float32:
         table = rope_kernels.rope_cos_sin_cache(64, int(positions.max()) + 1, 500000.0,
-                                                rope_kernels.Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+                                                rope_kernels.Llama3RopeScaling(8.0, 1.0, 4.0, 64), DEVICE)
         qkv2 = _qkv(len(positions), dtype, seed=1)
         q2 = qkv2[:, :9]
         rope_kernels.apply_rope(q2, qkv2[:, 9:12], positions, table)
@@ -254,3 +256,36 @@ def test_tune_script_shapes_for_the_default_model(capsys: pytest.CaptureFixture[
     assert script["main"](["--dry-run", "--kernels", "rmsnorm", "--rows", "1,8"]) == 0
     out = capsys.readouterr().out
     assert "rows1-h576-bfloat16" in out and "rows8-h576-bfloat16" in out and "paged_decode" not in out
+
+
+@pytest.mark.gpu
+@gpu
+@torch.inference_mode()
+def test_cuda_worker_launches_with_the_tuned_decode_config(
+    tiny_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real GPU (its own name, no fake): the cached decode config reaches the launcher and computes what
+    the heuristic config computes."""
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(path))
+    cache = at.AutotuneCache(path)
+    tuned = DECODE_CFG  # splits the 38-token contexts into 3 partitions
+    gpu_name = at.gpu_name(torch.device("cuda"))
+    _put(cache, specs.PAGED_DECODE, gpu_name, specs.DecodeShape(3, 4, 2, 16, 4, 38, torch.bfloat16), tuned)
+    cache.save()
+    steps = Steps(40, 4, 320)
+    runs = []
+    for use_cache in (False, True):
+        kernel_configs.forget()
+        if not use_cache:
+            monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(tmp_path / "missing.json"))
+        else:
+            monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(path))
+        runner = ModelRunner(str(tiny_path), device="cuda", dtype="bfloat16", num_blocks=40, block_size=4,
+                             attention_backend="triton")
+        seen = _spy(monkeypatch, attention_triton, "paged_decode", lambda q, *a: q.shape[0])
+        runs.append([x.float().cpu() for x in steps.run(runner)])
+        monkeypatch.undo()
+        assert {cfg for _, cfg in seen} == ({tuned} if use_cache else {None})
+    kernel_configs.forget()
+    assert _max_err(runs[1], runs[0]) <= 2e-2
