@@ -11,8 +11,9 @@ bucket a choice is cached under. :func:`tune` then
 3. picks the fastest point, or a cheaper one within ``slack`` of it, and stores it in the cache.
 
 The cache is a JSON file (``STRIDE_AUTOTUNE_CACHE``, default ``~/.cache/stride/autotune.json``) keyed
-by GPU name, kernel and shape bucket. Launchers never read it: the worker asks :func:`cached_config`
-once per shape bucket and passes the config to the launcher.
+by GPU name, kernel and shape bucket. Launchers never read it: the worker (``stride/workers/kernel_configs.py``,
+on CUDA) reads the file once and looks each shape bucket up once, as :func:`cached_config` does, and passes
+the config to the launcher. ``scripts/tune_kernels.py`` fills it for one model's shapes.
 """
 
 from __future__ import annotations
