@@ -10,6 +10,18 @@ cu_query_lens[s]:cu_query_lens[s+1]; context_lens[s] counts the KV after this st
 included (their K/V are already in the cache), so query i of s sits at position
 context_lens[s] - query_len + i and attends causally to keys 0..that position.
 Scores use exp2 with log2(e) folded into the scale; partial maxima are kept in that base-2 domain.
+
+Precision: for bf16/fp16 caches both kernels compute float32 maths on the cached values and round once, at
+the output, so they agree with the float32 reference (and the worker's torch backend, which does the same)
+to that one rounding. Scores are float32 dots of the 16-bit q and k (exact products, float32 sums). The
+probabilities P stay float32: a single 16-bit P in the P@V dot would round each one by up to 2^-9 while the
+row sum l_i adds the unrounded ones, an error of a fraction of an output ulp that flips the output's
+rounding on a good share of elements (and, through a deep network, the logits). So P is split into
+hi = P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in
+float32: P to about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA
+beside the two of q.k and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which
+does not change, so it pays nothing measurable there; the extend (prefill) kernel pays the extra MMA.
+Float32 caches need none of this (P is never rounded).
 """
 
 from __future__ import annotations
@@ -23,6 +35,25 @@ import triton.language as tl
 from kernels._util import check_float, dot, dot_args, next_pow2
 
 _LOG2E = 1.4426950408889634
+
+ROUND_P_BEFORE_PV = False
+"""Negative control for the tests only: True rounds P to the cache dtype before one P@V dot (the old
+kernels), which the bitwise checks against the float32 reference must catch."""
+
+
+@triton.jit
+def _pv(p, v, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """P (float32) @ V, accumulated in float32; with SPLIT_P, P is carried as hi + lo in V's dtype."""
+    hi = p.to(v.dtype)
+    out = dot(hi, v, DOT_PRECISION, DOT_UPCAST)
+    if SPLIT_P:
+        lo = (p - hi.to(tl.float32)).to(v.dtype)
+        out += dot(lo, v, DOT_PRECISION, DOT_UPCAST)
+    return out
+
+
+def _split_p(dtype: torch.dtype) -> bool:
+    return dtype != torch.float32 and not ROUND_P_BEFORE_PV
 
 
 @dataclass(frozen=True)
@@ -64,7 +95,7 @@ def _decode_kernel(
     stride_bt,
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -104,7 +135,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     if SPLIT:
         # Unnormalised partials, laid out (num_seqs, num_heads, num_splits[, head_dim]).
@@ -213,7 +244,7 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split,
+        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=_split_p(q.dtype),
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -234,7 +265,8 @@ def _extend_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -276,7 +308,7 @@ def _extend_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -318,7 +350,7 @@ def paged_extend(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        PAGE=k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PAGE=k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_P=_split_p(q.dtype),
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -334,7 +366,8 @@ def paged_extend_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_query_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """Plain PyTorch in float32 (float64 for float64 inputs): gather each sequence's K/V, causal softmax."""
+    """Plain PyTorch in float32 (float64 for float64 inputs): gather each sequence's K/V, causal softmax,
+    rounded once to q's dtype at the end (the kernels' contract, see the module docstring)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     cu = cu_query_lens.tolist()

@@ -6,6 +6,8 @@ On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing `
 import pytest
 import torch
 
+from kernels import paged_attention as pa
+from kernels._util import interpreting
 from kernels.autotune import compare
 from kernels.autotune_specs import make_paged_problem
 from kernels.paged_attention import (
@@ -133,3 +135,58 @@ def test_launchers_reject_bad_layouts():
         paged_decode(p["q"], kt, kt, p["block_tables"], p["context_lens"], 1.0)
     with pytest.raises(AssertionError):  # context longer than the table can hold
         paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"] * 100, 1.0)
+
+
+# ---- 16-bit caches: float32 maths, one rounding at the output ----
+
+
+def _round_once(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> dtype as the kernels' final cast rounds: to nearest on a GPU. Triton 3.9's interpreter
+    truncates float32 -> bfloat16 (its cast passes no rounding mode; float16 goes through numpy, to nearest)."""
+    if dtype == torch.bfloat16 and interpreting():
+        return (x32.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return x32.to(dtype)
+
+
+def rounded_once(out: torch.Tensor, ref32: torch.Tensor, v_absmax: float) -> tuple[bool, str]:
+    """Does ``out`` (16-bit) equal the float32 result ``ref32`` rounded once? At least 99% of the elements
+    bitwise, and none further from ref32 than one ulp (at ref32's magnitude) plus 2^-16 * max|v| (the
+    kernels carry P as hi + lo to ~2^-17, which shows on outputs that cancel to near zero)."""
+    equal = (out == _round_once(ref32, out.dtype)).double().mean().item()
+    mantissa = 7 if out.dtype == torch.bfloat16 else 10
+    ulp = torch.ldexp(torch.ones_like(ref32), torch.frexp(ref32).exponent - 1 - mantissa)
+    excess = ((out.float() - ref32).abs() - ulp).max().item() / (2**-16 * v_absmax)
+    return equal >= 0.99 and excess <= 1.0, f"bitwise equal {equal:.4f}, excess {excess:.3g}"
+
+
+_REF_ARGS = ("q", "k_cache", "v_cache", "block_tables", "cu_query_lens", "context_lens", "scale")
+
+
+def _float32_copy(p):
+    return {**p, **{name: p[name].float() for name in ("q", "k_cache", "v_cache")}}
+
+
+ROUNDING_CASES = {
+    # Several hundred keys, a few heads: P's rounding error is then a visible share of an output ulp.
+    "decode": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=0))),
+    "decode-split": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128))),
+    "extend": ([400, 130], [64, 130], lambda p: _extend(p, ExtendConfig(block_m=32, block_n=64))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(ROUNDING_CASES))
+def test_16bit_kernels_round_once(case, dtype, monkeypatch):
+    context_lens, query_lens, run = ROUNDING_CASES[case]
+    p = _problem(context_lens, query_lens, heads=8, kv_heads=2, head_dim=64, dtype=dtype, seed=1)
+    ref32 = paged_extend_reference(**{k: v for k, v in _float32_copy(p).items() if k in _REF_ARGS})
+    v_absmax = p["v_cache"].float().abs().max().item()
+    ok, why = rounded_once(run(p), ref32, v_absmax)
+    assert ok, why
+    # The reference itself, given the 16-bit inputs, is that float32 result rounded (to nearest) once.
+    ref16 = paged_extend_reference(**{k: v for k, v in p.items() if k in _REF_ARGS})
+    assert torch.equal(ref16, ref32.to(dtype))
+    # Negative control: the same kernel rounding P to the cache dtype before one P@V dot fails the check.
+    monkeypatch.setattr(pa, "ROUND_P_BEFORE_PV", True)
+    ok, why = rounded_once(run(p), ref32, v_absmax)
+    assert not ok, why
