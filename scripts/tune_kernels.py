@@ -87,6 +87,17 @@ def read_model(path: str) -> tuple[ModelArgs, set[str]]:
     return args, kinds
 
 
+def geometry_args(text: str) -> ModelArgs:
+    """ModelArgs from ``hidden,heads,kv_heads,head_dim,intermediate,context`` (the rest does not shape kernels)."""
+    hidden, heads, kv_heads, head_dim, inter, ctx = (int(v) for v in text.split(","))
+    return ModelArgs(vocab_size=1, hidden_size=hidden, intermediate_size=inter, num_layers=1, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=ctx)
+
+
+def projection_shapes_names() -> list[str]:
+    return ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+
+
 def _bench_problems(spec: at.KernelSpec, shape: Any, nbytes: int, device: torch.device, budget: int) -> list:
     """Enough disjoint problems to keep a small shape's data out of L2 while timing (at most 64)."""
     gen = torch.Generator().manual_seed(0)
@@ -127,10 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,16,64,256,1024,4096", help="RMSNorm row counts")
     parser.add_argument("--cache", default="", help="cache file (default: STRIDE_AUTOTUNE_CACHE or ~/.cache/...)")
     parser.add_argument("--rotate-mb", type=int, default=256, help="timing data per shape, to defeat the L2")
+    parser.add_argument("--geometry", default="", help="instead of --model: hidden,heads,kv_heads,head_dim,"
+                        "intermediate,context (e.g. SmolLM2: 576,9,3,64,1536,8192)")
+    parser.add_argument("--q4", action="store_true", help="with --geometry: every projection is GGUF Q4 (4-bit)")
     parser.add_argument("--dry-run", action="store_true", help="print the shapes and exit (no GPU needed)")
     opts = parser.parse_args(argv)
-    path = opts.model or default_model_path()
-    args, q4 = read_model(path)
+    if opts.geometry:
+        path = f"geometry {opts.geometry}"
+        args, q4 = geometry_args(opts.geometry), set(projection_shapes_names()) if opts.q4 else set()
+    else:
+        path = opts.model or default_model_path()
+        args, q4 = read_model(path)
     shapes = tuning_shapes(args, q4, _DTYPES[opts.dtype], opts.block_size, _ints(opts.batches),
                            _ints(opts.contexts), _ints(opts.m), _ints(opts.rows))
     wanted = set(opts.kernels.split(","))

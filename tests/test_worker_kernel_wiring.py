@@ -251,6 +251,10 @@ def test_tune_script_shapes_for_the_default_model(capsys: pytest.CaptureFixture[
     assert sorted({s.context_len for s in shapes.decode}) == [1024, 8192]  # clipped to the model's 8192
     assert sorted({(s.n, s.k) for s in shapes.w4a16}) == [(576, 576), (576, 1536), (960, 576), (3072, 576)]
     assert {s.m for s in shapes.w4a16} == {1, 16} and {s.hidden for s in shapes.rmsnorm} == {576}
+    # --geometry (for a GPU host without the model file or gguf) gives the same shapes.
+    by_hand = script["tuning_shapes"](script["geometry_args"]("576,9,3,64,1536,8192"), q4, torch.bfloat16,
+                                      contexts=(1024, 16384), ms=(1, 16))
+    assert by_hand == shapes
     # An HF checkpoint's projections are never 4-bit in the worker: no W4A16 shapes.
     assert script["tuning_shapes"](args, set(), torch.bfloat16).w4a16 == []
     assert script["main"](["--dry-run", "--kernels", "rmsnorm", "--rows", "1,8"]) == 0
