@@ -127,7 +127,8 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     """Reference backend in plain PyTorch: decodes batched (gather their blocks, one SDPA call), prefill
-    chunks one sequence at a time (causal by position over cached keys plus the chunk)."""
+    chunks one sequence at a time (causal by position over cached keys plus the chunk). Attention itself
+    is float32 maths on the cached values, rounded once to the run dtype (:func:`_sdpa`)."""
 
     name = "torch"
     fused_layers = False
@@ -207,16 +208,22 @@ def _gather(
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q (n, L, H, D), k/v (n, S, KVH, D), allowed (n, L, S) bool → (n, L, H, D)."""
+    """q (n, L, H, D), k/v (n, S, KVH, D), allowed (n, L, S) bool → (n, L, H, D) in q's dtype.
+
+    Computed in float32 from the (bf16/fp16) inputs and rounded once, at the output: a 16-bit SDPA rounds
+    inside (the probabilities before P@V, each kernel at its own places), and the Triton backend must be
+    able to agree with the reference to that one rounding (see ``kernels/paged_attention.py``).
+    """
+    compute = torch.promote_types(q.dtype, torch.float32)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        q.transpose(1, 2).to(compute),
+        k.transpose(1, 2).to(compute),
+        v.transpose(1, 2).to(compute),
         attn_mask=allowed[:, None],
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(q.dtype)
 
 
 @dataclass
