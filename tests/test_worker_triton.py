@@ -1,6 +1,6 @@
 """The worker with the Triton backend (paged kernels + fused RMSNorm/SiLU-mul) computes what the torch
 reference backend computes. CPU: the very same kernels through Triton's interpreter, float32, a random tiny
-Llama. GPU (marked gpu): the 8B-shaped random checkpoint in bf16, logit cosine >= 0.9999."""
+Llama. GPU (marked gpu): the 8B-shaped random checkpoint, float32 equal and bf16 logit cosine >= 0.9999."""
 
 from __future__ import annotations
 
@@ -204,15 +204,18 @@ def run_worker(path: str, backend: str, dtype: str, steps: Steps, shifts: tuple[
 def test_triton_worker_equals_reference_8b_shaped(tmp_path: Path) -> None:
     """8B shapes (hidden 4096, GQA 32/8, head_dim 128, vocab 128256), 8 of the 32 layers, random weights.
 
-    float32: the kernels equal the reference (cosine >= 0.99999). bf16: the issue asked for cosine >= 0.9999
-    between the two bf16 workers, which this random network does not allow. Measured on an H200 (2026-11-30):
-    at 32 layers the reference's own bf16 run is 0.9974 from its float32 run and the triton bf16 run 0.9974
-    too (scripts/compare_backends.py), while the two bf16 runs are 0.9985 apart; at 8 layers the two bf16
-    runs are 0.99968 apart. Two bf16 runs that round differently (any attention kernel does) differ that much
-    here, so the bound would test the random network's amplification of rounding, not the kernels. The bf16
-    check is instead that the kernels add no error of their own: their distance from the float32 reference
-    is at most 1.5x the reference backend's bf16 distance (1.015x measured at 32 layers), and the two bf16
-    workers agree to 0.999.
+    float32: the kernels equal the reference (cosine >= 0.99999). bf16: the issue's bound, cosine >= 0.9999
+    between the triton and the torch bf16 workers, at every step and sequence. It holds by construction:
+    both backends compute attention as float32 maths on the same cached bf16 K/V and query and round once, at
+    the output (torch: SDPA on float32 upcasts; kernels: float32 scores, P carried as bf16 hi + lo in the P@V
+    dot), and the layers round where transformers rounds (RMSNorm, SiLU-mul, residual adds; the linears are
+    the same cuBLAS calls). The two bf16 runs then differ only where a float32 result lies within its
+    summation-order noise of a bf16 rounding boundary. Before that, each attention rounded the probabilities
+    inside at its own places (the kernels rounded P to bf16 before P@V, SDPA in bf16 its own way); this random
+    network amplifies such differences about tenfold, and the two bf16 workers were 0.99968 apart at these 8
+    layers on an H200 (2026-11-30). Also checked: the kernels add no bf16 error of their own (their distance
+    from the float32 reference is at most 1.5x the reference's own bf16 distance), and a negative control
+    (every decode 250 positions back) falls below both bounds, in float32 and in bf16.
     """
     path = str(make_checkpoint("llama-3.1-8b", tmp_path / "8b", torch.bfloat16, num_layers=8, device="cuda"))
     steps = Steps(2048, 16, 128256, seed=1)
@@ -232,11 +235,13 @@ def test_triton_worker_equals_reference_8b_shaped(tmp_path: Path) -> None:
         "triton16~torch32": min_cosine(tri16, ref32),
         "wrong16~torch32": min_cosine(wrong16, ref32),
         "triton16~torch16": min_cosine(tri16, ref16),
+        "wrong16~torch16": min_cosine(wrong16, ref16),
     }
     print({k: f"{v:.6f}" for k, v in figures.items()})
     assert figures["triton32~torch32"] >= 0.99999
     assert figures["wrong32~torch32"] < 0.99999
+    assert figures["triton16~torch16"] >= 0.9999
+    assert figures["wrong16~torch16"] < 0.9999
     bf16_error = 1 - figures["torch16~torch32"]
     assert 1 - figures["triton16~torch32"] <= 1.5 * bf16_error
     assert 1 - figures["wrong16~torch32"] > 1.5 * bf16_error
-    assert figures["triton16~torch16"] >= 0.999
