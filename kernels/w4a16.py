@@ -42,6 +42,7 @@ class W4A16Weight:
 @dataclass(frozen=True)
 class W4A16Config:
     """gemv: one activation row per program, FMA dot products (decode, M <= 4); else tensor-core tiles.
+    prefetch (GEMV only): load the next step's words, scales and mins before using the current ones.
 
     split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
     partials (an arrival counter per tile), so a call is always a single launch.
@@ -54,19 +55,44 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False
+    prefetch: bool = False
 
 
 def default_config(m: int, n: int, k: int) -> W4A16Config:
-    # Decode shapes have few output tiles: split K until an H200's 132 SMs have a few programs each.
-    gemv = m <= 2
-    block_n = 64
-    tiles = triton.cdiv(n, block_n) * (m if gemv else triton.cdiv(m, 16))
+    """GEMV up to 4 rows (it beat the tiles there on an H200), 32 columns by 512 inputs per step with the next
+    step's words prefetched; K is split while there are fewer than ~512 programs and each split keeps at least
+    four steps. Tensor-core tiles from 5 rows."""
+    if m <= 4:
+        tiles = triton.cdiv(n, 32) * m
+        split_k = 1
+        while tiles * split_k < 512 and k // (2 * split_k * 512) >= 4:
+            split_k *= 2
+        return W4A16Config(block_m=1, block_n=32, block_k=512, split_k=split_k, num_warps=4, num_stages=3,
+                           gemv=True, prefetch=True)
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
     split_k = 1
     while tiles * split_k < 264 and k // (split_k * 2) >= 512:
         split_k *= 2
     # Tile steps stay small: every stage holds (block_k, block_n) words, scales and mins in shared memory.
-    return W4A16Config(block_m=1 if gemv else 16, block_n=block_n, block_k=256 if gemv else 64,
-                       split_k=split_k, num_warps=4, num_stages=3, gemv=gemv)
+    return W4A16Config(block_m=16, block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words, offs_n, n_mask, k_hi, stride_qk, stride_sg, GROUP: tl.constexpr):
+    """The packed words of rows ``words`` (masked past ``k_hi``) and their scales and mins, one per word."""
+    w_ok = words < k_hi // 8
+    mask = w_ok[:, None] & n_mask[None, :]
+    packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
+    g = (words * 8) // GROUP
+    sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    return packed, sc, mn
+
+
+# Powers of two for the GEMV path (see the kernel): x * 2^96 * 16^-p meets the subnormal code * 16^p * 2^-149.
+_X_SCALE = tl.constexpr((2.0**96, 2.0**92, 2.0**88, 2.0**84))
+_SUM_UNIT = tl.constexpr(2.0**-53)
+_INV_SUM_UNIT = tl.constexpr(2.0**53)
 
 
 @triton.jit
@@ -75,11 +101,16 @@ def _w4a16_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, GEMV: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+    if GEMV:
+        pid_m = tl.program_id(0)  # rows fastest: the rows of one weight tile are launched together
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -88,29 +119,43 @@ def _w4a16_kernel(
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if GEMV:
         # Per word: sum_j x_j * (code_j * s + m) = s * sum_j x_j code_j + m * sum_j x_j, reduced over K once.
+        # A code is taken out of its word with one AND and read as a float32 without converting it: the
+        # bits (code << 4p), p < 4, are the subnormal float code * 16^p * 2^-149, exact. The activation is
+        # prescaled by 2^96 * 16^-p (exact, powers of two), so each FMA adds code * x * 2^-53 exactly as a
+        # converted code would; the sums are scaled back once at the end. Two instructions per weight
+        # (AND, FMA) instead of five (shift, extract, or, subtract, FMA). Exact for 2^-73 <= |x| < 2^31 (smaller
+        # activations underflow towards zero) and needs denormals kept (Triton emits fma.rn.f32, not .ftz).
+        # One activation row per program; the rows of a small batch run side by side (the row is the fastest
+        # grid axis), so their programs read each weight tile from L2 after the first.
         WORDS: tl.constexpr = BLOCK_K // 8
         offs_w = tl.arange(0, WORDS)
         acc2 = tl.zeros([WORDS, BLOCK_N], tl.float32)
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            words = k0 // 8 + offs_w
+        words = k_lo // 8 + offs_w
+        packed, sc, mn = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words, offs_n, n_mask, k_hi, stride_qk, stride_sg, GROUP)
+        for _ in range(k_lo, k_hi, BLOCK_K):
             w_ok = words < k_hi // 8
-            mask2 = w_ok[:, None] & n_mask[None, :]
-            packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask2,
-                             other=0)
-            g = (words * 8) // GROUP
-            sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
-            dot_codes = tl.zeros([WORDS, BLOCK_N], tl.float32)
+            if PREFETCH:
+                packed_n, sc_n, mn_n = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words + WORDS, offs_n, n_mask,
+                                                  k_hi, stride_qk, stride_sg, GROUP)
             x_sum = tl.zeros([WORDS], tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x_row + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-                # code | 0x4B000000 is the float 2^23 + code: exact, and cheaper than an int-to-float convert.
-                code = (((packed >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                dot_codes += code * xj[:, None]
                 x_sum += xj
-            acc2 += sc * dot_codes + mn * x_sum[:, None]
-        acc = tl.sum(acc2, axis=0)[None, :]
+                nibble = (packed >> (16 * (j // 4))) & (0xF << (4 * (j % 4)))
+                code = nibble.to(tl.float32, bitcast=True)
+                if j == 0:
+                    dot_codes = code * (xj * _X_SCALE[0])[:, None]
+                else:
+                    dot_codes += code * (xj * _X_SCALE[j % 4])[:, None]
+            acc2 += sc * dot_codes + mn * (x_sum * _SUM_UNIT)[:, None]
+            if PREFETCH:
+                packed, sc, mn = packed_n, sc_n, mn_n
+            else:
+                packed, sc, mn = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words + WORDS, offs_n, n_mask, k_hi,
+                                            stride_qk, stride_sg, GROUP)
+            words += WORDS
+        acc = tl.sum(acc2, axis=0)[None, :] * _INV_SUM_UNIT
     else:
         # Each row of the (BLOCK_K, BLOCK_N) tile re-reads its word (8 rows share one, from L1) and
         # shifts out its own nibble: one dot per step, no reshape.
@@ -137,7 +182,7 @@ def _w4a16_kernel(
         rows = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -194,17 +239,19 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, block_m))
+    num_m, num_n = triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n)
+    grid = (num_m, num_n, split_k) if cfg.gemv else (num_n, num_m, split_k)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, grid[0] * grid[2])
+        counters = _arrival_counters(x.device, num_m * num_n)
     else:
         partials = counters = out
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split_k, GEMV=cfg.gemv, PREFETCH=cfg.prefetch, **dot_args(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
