@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous, dot, dot_args
+from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,6 @@ class W4A16Weight:
 @dataclass(frozen=True)
 class W4A16Config:
     """gemv: one activation row per program, FMA dot products (decode, M <= 4); else tensor-core tiles.
-    prefetch (GEMV only): load the next step's words, scales and mins before using the current ones.
 
     split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
     partials (an arrival counter per tile), so a call is always a single launch.
@@ -55,20 +54,20 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False
-    prefetch: bool = False
 
 
-def default_config(m: int, n: int, k: int) -> W4A16Config:
-    """GEMV up to 4 rows (it beat the tiles there on an H200), 32 columns by 512 inputs per step with the next
-    step's words prefetched; K is split while there are fewer than ~512 programs and each split keeps at least
-    four steps. Tensor-core tiles from 5 rows."""
+def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
+    """GEMV up to 4 rows (it beat the tiles there on an H200): 64 columns (32 for wide N) by up to 1,024
+    inputs per step, K split while there are fewer than 256 programs and each split keeps 1,024 inputs.
+    Tensor-core tiles from 5 rows."""
     if m <= 4:
-        tiles = triton.cdiv(n, 32) * m
+        block_n = 32 if n >= 16384 else 64
         split_k = 1
-        while tiles * split_k < 512 and k // (2 * split_k * 512) >= 4:
+        while triton.cdiv(n, block_n) * m * split_k < 256 and k // (2 * split_k) >= 1024:
             split_k *= 2
-        return W4A16Config(block_m=1, block_n=32, block_k=512, split_k=split_k, num_warps=4, num_stages=3,
-                           gemv=True, prefetch=True)
+        groups = min(max(1, 1024 // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
+        return W4A16Config(block_m=1, block_n=block_n, block_k=groups * group_size, split_k=split_k, num_warps=4,
+                           num_stages=3, gemv=True)
     tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
     split_k = 1
     while tiles * split_k < 264 and k // (split_k * 2) >= 512:
@@ -77,20 +76,11 @@ def default_config(m: int, n: int, k: int) -> W4A16Config:
     return W4A16Config(block_m=16, block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=3)
 
 
-@triton.jit
-def _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words, offs_n, n_mask, k_hi, stride_qk, stride_sg, GROUP: tl.constexpr):
-    """The packed words of rows ``words`` (masked past ``k_hi``) and their scales and mins, one per word."""
-    w_ok = words < k_hi // 8
-    mask = w_ok[:, None] & n_mask[None, :]
-    packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
-    g = (words * 8) // GROUP
-    sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    return packed, sc, mn
-
-
-# Powers of two for the GEMV path (see the kernel): x * 2^96 * 16^-p meets the subnormal code * 16^p * 2^-149.
-_X_SCALE = tl.constexpr((2.0**96, 2.0**92, 2.0**88, 2.0**84))
+# Powers of two for the GEMV (see the kernel): nibble p of a word, read in place as a float, is the subnormal
+# code * 16^p * 2^-149 (p < 6: the bits stay below 2^24); x * 2^(96 - 4p) meets it at code * x * 2^-53.
+_X_SCALE = tl.constexpr(tuple(2.0 ** (96 - 4 * p) for p in range(6)))
+_X_EXP = tl.constexpr(tuple((96 - 4 * p) << 23 for p in range(6)))  # the same, added to a float32's exponent
+_XS_UNIT = tl.constexpr(tuple(2.0 ** (-96 + 4 * p - 53) for p in range(6)))  # prescaled sums -> 2^-53 units
 _SUM_UNIT = tl.constexpr(2.0**-53)
 _INV_SUM_UNIT = tl.constexpr(2.0**53)
 
@@ -101,8 +91,7 @@ def _w4a16_kernel(
     M, N, K, k_per_split,
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GEMV: tl.constexpr,
-    PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     if GEMV:
         pid_m = tl.program_id(0)  # rows fastest: the rows of one weight tile are launched together
@@ -118,43 +107,78 @@ def _w4a16_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if GEMV:
-        # Per word: sum_j x_j * (code_j * s + m) = s * sum_j x_j code_j + m * sum_j x_j, reduced over K once.
-        # A code is taken out of its word with one AND and read as a float32 without converting it: the
-        # bits (code << 4p), p < 4, are the subnormal float code * 16^p * 2^-149, exact. The activation is
-        # prescaled by 2^96 * 16^-p (exact, powers of two), so each FMA adds code * x * 2^-53 exactly as a
-        # converted code would; the sums are scaled back once at the end. Two instructions per weight
-        # (AND, FMA) instead of five (shift, extract, or, subtract, FMA). Exact for 2^-73 <= |x| < 2^31 (smaller
-        # activations underflow towards zero) and needs denormals kept (Triton emits fma.rn.f32, not .ftz).
-        # One activation row per program; the rows of a small batch run side by side (the row is the fastest
-        # grid axis), so their programs read each weight tile from L2 after the first.
-        WORDS: tl.constexpr = BLOCK_K // 8
-        offs_w = tl.arange(0, WORDS)
-        acc2 = tl.zeros([WORDS, BLOCK_N], tl.float32)
+        # One activation row per program (a small batch's rows run side by side: the row is the fastest grid
+        # axis, so they read each weight tile from L2 after the first). Per group g and column n:
+        #   sum_k x_k (code_k s + m) = s * sum_k x_k code_k + m * sum_k x_k,
+        # scaled once per group. A step holds G whole groups, read as GROUP // 8 (G, BLOCK_N) word tiles (word
+        # q of every group) of one layout, so their dot products add elementwise (no reshape).
+        # A code is never shifted out or converted: nibble p < 6 of a word, ANDed in place and read as a
+        # float32, is the subnormal code * 16^p * 2^-149 (exact), and the activation is prescaled by the power
+        # of two 2^(96 - 4p), so one AND and one FMA add code * x * 2^-53 (nibbles 6, 7: the word >> 16).
+        # bf16 activations are widened and prescaled in one integer op (bits << 16 plus 96 - 4p in the
+        # exponent), with a running sum per p; a zero then becomes a tiny power of two whose products and sums
+        # underflow to exactly zero. Float32-exact for 2^-73 <= |x| < 2^31; needs denormals kept (Triton emits
+        # fma.rn.f32, not .ftz). About 3 SASS instructions per weight on sm_90 (5 for shift/extract/convert).
+        G: tl.constexpr = BLOCK_K // GROUP
+        X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
         x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
-        words = k_lo // 8 + offs_w
-        packed, sc, mn = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words, offs_n, n_mask, k_hi, stride_qk, stride_sg, GROUP)
-        for _ in range(k_lo, k_hi, BLOCK_K):
-            w_ok = words < k_hi // 8
-            if PREFETCH:
-                packed_n, sc_n, mn_n = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words + WORDS, offs_n, n_mask,
-                                                  k_hi, stride_qk, stride_sg, GROUP)
-            x_sum = tl.zeros([WORDS], tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_row + words * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-                x_sum += xj
-                nibble = (packed >> (16 * (j // 4))) & (0xF << (4 * (j % 4)))
-                code = nibble.to(tl.float32, bitcast=True)
-                if j == 0:
-                    dot_codes = code * (xj * _X_SCALE[0])[:, None]
-                else:
-                    dot_codes += code * (xj * _X_SCALE[j % 4])[:, None]
-            acc2 += sc * dot_codes + mn * (x_sum * _SUM_UNIT)[:, None]
-            if PREFETCH:
-                packed, sc, mn = packed_n, sc_n, mn_n
+        offs_g = tl.arange(0, G)
+        acc2 = tl.zeros([G, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            gs = k0 // GROUP + offs_g
+            g_ok = gs < k_hi // GROUP
+            gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
+            mask_g = g_ok[:, None] & n_mask[None, :]
+            sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0)
+            mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0)
+            x_sum = tl.zeros([G], tl.float32)
+            xs0 = tl.zeros([G], tl.float32)
+            xs1 = tl.zeros([G], tl.float32)
+            xs2 = tl.zeros([G], tl.float32)
+            xs3 = tl.zeros([G], tl.float32)
+            xs4 = tl.zeros([G], tl.float32)
+            xs5 = tl.zeros([G], tl.float32)
+            for q in tl.static_range(GROUP // 8):
+                words = gs * (GROUP // 8) + q
+                packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_g,
+                                 other=0)
+                high = packed >> 16
+                for j in tl.static_range(8):
+                    # p = j - 4 * (j // 6): nibbles 0-5 in place, 6 and 7 as p = 2, 3 of the high half.
+                    if j < 6:
+                        code = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+                    else:
+                        code = (high & (0xF << (4 * (j - 4)))).to(tl.float32, bitcast=True)
+                    if X_BF16:
+                        # Unmasked (clamped rows): a masked load costs two more instructions per value.
+                        xb = tl.load(x_row + gs_in * GROUP + 8 * q + j).to(tl.int16, bitcast=True).to(tl.int32)
+                        xp = ((xb << 16) + _X_EXP[j - 4 * (j // 6)]).to(tl.float32, bitcast=True)
+                        if j - 4 * (j // 6) == 0:
+                            xs0 += xp
+                        elif j - 4 * (j // 6) == 1:
+                            xs1 += xp
+                        elif j - 4 * (j // 6) == 2:
+                            xs2 += xp
+                        elif j - 4 * (j // 6) == 3:
+                            xs3 += xp
+                        elif j == 4:
+                            xs4 += xp
+                        else:
+                            xs5 += xp
+                    else:
+                        xj = tl.load(x_row + gs * GROUP + 8 * q + j, mask=g_ok, other=0.0).to(tl.float32)
+                        x_sum += xj
+                        xp = xj * _X_SCALE[j - 4 * (j // 6)]
+                    if q == 0 and j == 0:
+                        dot_codes = code * xp[:, None]
+                    else:
+                        dot_codes += code * xp[:, None]
+            if X_BF16:
+                x_sum = (xs0 * _XS_UNIT[0] + xs1 * _XS_UNIT[1] + xs2 * _XS_UNIT[2] + xs3 * _XS_UNIT[3]
+                         + xs4 * _XS_UNIT[4] + xs5 * _XS_UNIT[5])
             else:
-                packed, sc, mn = _gemv_tile(qw_ptr, sc_ptr, mn_ptr, words + WORDS, offs_n, n_mask, k_hi,
-                                            stride_qk, stride_sg, GROUP)
-            words += WORDS
+                x_sum = x_sum * _SUM_UNIT
+            acc2 += sc.to(tl.float32) * dot_codes + mn.to(tl.float32) * x_sum[:, None]
         acc = tl.sum(acc2, axis=0)[None, :] * _INV_SUM_UNIT
     else:
         # Each row of the (BLOCK_K, BLOCK_N) tile re-reads its word (8 rows share one, from L1) and
@@ -232,9 +256,14 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     check_last_contiguous("x", x)
     m, k = x.shape
     n = w.out_features
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, w.group_size)
     assert cfg.gemv or cfg.block_k >= 16, "tensor-core tiles need block_k >= 16"
     assert cfg.block_k % 8 == 0
+    if cfg.gemv:
+        groups = cfg.block_k // w.group_size
+        assert cfg.block_k % w.group_size == 0 and groups & (groups - 1) == 0, (
+            f"a GEMV step holds a power-of-two number of whole groups (block_k {cfg.block_k}, "
+            f"group {w.group_size})")
     block_m = 1 if cfg.gemv else cfg.block_m
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
@@ -250,7 +279,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, GEMV=cfg.gemv, PREFETCH=cfg.prefetch, **dot_args(x.dtype),
+        SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -28,14 +28,14 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 256), (5, 123, 384), (16, 64, 32 * 13)])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("gemv,prefetch", [(False, False), (True, False), (True, True)])
-def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv, prefetch):
+@pytest.mark.parametrize("gemv", [False, True])
+def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
     if gemv and m > 5:
         pytest.skip("the GEMV path serves decode rows; one program per row is slow under the interpreter")
     gen = torch.Generator().manual_seed(m * n + k)
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
     x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
-    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=64, split_k=split_k, gemv=gemv, prefetch=prefetch))
+    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=64, split_k=split_k, gemv=gemv))
     ref = w4a16_reference(x, w)
     assert out.dtype == dtype and out.shape == (m, n)
     assert _rel_err(out, ref) <= tol
@@ -44,17 +44,21 @@ def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv, pr
     assert _rel_err(out, w4a16_reference(x, unscaled)) > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("magnitude", [1e-20, 1e-6, 1.0, 3e4, 1e8])
-def test_gemv_subnormal_codes_over_activation_range(magnitude):
+def test_gemv_subnormal_codes_over_activation_range(magnitude, dtype):
     """The GEMV reads codes as subnormal floats and prescales x by up to 2^96: float32-exact products for
     2^-73 <= |x| < 2^31 (1e-22 .. 2e9); rows mixing tiny and huge activations too."""
     w = random_weight(48, 512, device=DEVICE, seed=3)
     gen = torch.Generator().manual_seed(4)
-    x = (torch.randn((2, 512), generator=gen) * magnitude).to(DEVICE)
+    x = (torch.randn((2, 512), generator=gen) * magnitude).to(dtype).to(DEVICE)
     x[1, ::7] *= 1e-9  # a second row mixing scales
-    out = w4a16_matmul(x, w, W4A16Config(block_n=16, block_k=128, split_k=2, gemv=True, prefetch=True))
+    x[1, 3::7] = 0.0
+    cfg = W4A16Config(block_n=16, block_k=128, split_k=2, gemv=True)
+    out = w4a16_matmul(x, w, cfg)
     assert torch.isfinite(out).all()
-    assert _rel_err(out, w4a16_reference(x, w)) <= 1e-5
+    # bf16 output: one rounding (the interpreter truncates: up to 2^-8 per element).
+    assert _rel_err(out, w4a16_reference(x, w)) <= (1e-5 if dtype == torch.float32 else 8e-3)
 
 
 def test_pack_codes_layout():
