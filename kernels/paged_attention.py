@@ -20,8 +20,8 @@ rounding on a good share of elements (and, through a deep network, the logits). 
 hi = P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in
 float32: P to about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA
 beside the two of q.k and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which
-does not change, so the extra MMA should hide there; the extend (prefill) kernel pays it (neither measured
-on the H200 yet: scripts/bench_kernels.py). Float32 caches need none of this (P is never rounded).
+does not change, and on an H200 it kept its bandwidth (docs/perf.md, second pass); the extend (prefill)
+kernel pays it (not measured yet). Float32 caches need none of this (P is never rounded).
 ROUND_P_BEFORE_PV switches the split off, for the tests' negative control.
 """
 

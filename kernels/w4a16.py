@@ -161,7 +161,7 @@ def _w4a16_kernel(
                             xs2 += xp
                         elif j - 4 * (j // 6) == 3:
                             xs3 += xp
-                        elif j == 4:
+                        elif j - 4 * (j // 6) == 4:
                             xs4 += xp
                         else:
                             xs5 += xp

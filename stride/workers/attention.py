@@ -104,7 +104,7 @@ class AttentionBackend(Protocol):
 
     name: str
     fused_layers: bool
-    """Whether the model layers should use the fused Triton RMSNorm/SiLU-mul kernels with this backend."""
+    """Whether the model layers should use the fused Triton RMSNorm/RoPE/SiLU-mul kernels with this backend."""
 
     def write_kv(
         self,

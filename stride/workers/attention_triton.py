@@ -27,7 +27,7 @@ class TritonPagedAttention(TorchPagedAttention):
 
     name = "triton"
     fused_layers = True
-    """The model layers use the fused RMSNorm(+residual) and SiLU-mul kernels alongside this backend."""
+    """The model layers use the fused RMSNorm(+residual), RoPE and SiLU-mul kernels alongside this backend."""
 
     def attend(
         self,
