@@ -129,9 +129,11 @@ def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
              for bn in (64, 128) for bk in (32, 64) for sk in (1, 2, 4) for st in (2, 3)
              if shape.k // (sk * bk) >= 2] if shape.m >= 2 else []
+    # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile.
     gemv = [wq.W4A16Config(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
-            for bn in (32, 64) for bk in (256, 512, 1024) for sk in (1, 2, 4) for w in (4, 8)
-            if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0] if shape.m <= 8 else []
+            for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4) for w in (4, 8)
+            if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0
+            and bk // shape.group_size * bn <= 16 * 32 * w] if shape.m <= 8 else []
     return gemv + tiles
 
 

@@ -57,17 +57,21 @@ class W4A16Config:
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
-    """GEMV up to 4 rows (it beat the tiles there on an H200): 64 columns (32 for wide N) by up to 1,024
-    inputs per step, K split while there are fewer than 256 programs and each split keeps 1,024 inputs.
-    Tensor-core tiles from 5 rows."""
+    """GEMV up to 4 rows (it beat the tiles there on an H200), 32 columns per program. From the H200 sweep at
+    Llama-3.1-8B shapes (docs/perf.md): with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs
+    at a time over 4 warps; with fewer (qkv, o, down) every program takes one or two long steps of up to
+    4,096 inputs over 8 warps, K split into pieces of at most 4,096 (fewer dependent round trips per program
+    pays more than split-K's extra programs). Tensor-core tiles from 5 rows."""
     if m <= 4:
-        block_n = 32 if n >= 16384 else 64
-        split_k = 1
-        while triton.cdiv(n, block_n) * m * split_k < 256 and k // (2 * split_k) >= 1024:
-            split_k *= 2
-        groups = min(max(1, 1024 // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
-        return W4A16Config(block_m=1, block_n=block_n, block_k=groups * group_size, split_k=split_k, num_warps=4,
-                           num_stages=3, gemv=True)
+        block_n = 32
+        if triton.cdiv(n, block_n) >= 512:
+            split_k, step, warps = 1, 1024, 4
+        else:
+            split_k = triton.cdiv(k, 4096)
+            step, warps = 4096 if split_k == 1 else 2048, 8
+        groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
+        return W4A16Config(block_m=1, block_n=block_n, block_k=groups * group_size, split_k=split_k,
+                           num_warps=warps, num_stages=3, gemv=True)
     tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
     split_k = 1
     while tiles * split_k < 264 and k // (split_k * 2) >= 512:
