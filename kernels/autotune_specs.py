@@ -127,8 +127,8 @@ def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     """Tensor-core tiles from M=2 up; the GEMV (one row per program, FMA dot products) up to M=8."""
     tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
-             for bn in (64, 128) for bk in (32, 64) for sk in (1, 2, 4) for st in (2, 3)
-             if shape.k // (sk * bk) >= 2] if shape.m >= 2 else []
+             for bn in (64, 128) for bk in (shape.group_size, 2 * shape.group_size) for sk in (1, 2, 4, 8)
+             for st in (3, 4) if shape.k // (sk * bk) >= 2] if shape.m >= 2 and shape.group_size >= 16 else []
     # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile.
     gemv = [wq.W4A16Config(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
             for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4) for w in (4, 8)

@@ -43,6 +43,7 @@ class W4A16Weight:
 class W4A16Config:
     """gemv: one activation row per program, FMA dot products (decode, M <= 4); else tensor-core tiles.
 
+    block_k: inputs per step, whole groups (the tiles take one dot per group, so a step unrolls groups).
     split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
     partials (an arrival counter per tile), so a call is always a single launch.
     """
@@ -61,8 +62,9 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     Llama-3.1-8B shapes (docs/perf.md): with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs
     at a time over 4 warps; with fewer (qkv, o, down) every program takes one or two long steps of up to
     4,096 inputs over 8 warps, K split into pieces of at most 4,096 (fewer dependent round trips per program
-    pays more than split-K's extra programs). Tensor-core tiles from 5 rows."""
-    if m <= 4:
+    pays more than split-K's extra programs). Tensor-core tiles from 5 rows (GEMV and tiles cost the same
+    near 8 rows)."""
+    if m <= 4 or group_size < 16:  # a tile's dot needs 16 inputs per group
         block_n = 32
         if triton.cdiv(n, block_n) >= 512:
             split_k, step, warps = 1, 1024, 4
@@ -72,12 +74,13 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
         groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
         return W4A16Config(block_m=1, block_n=block_n, block_k=groups * group_size, split_k=split_k,
                            num_warps=warps, num_stages=3, gemv=True)
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+    # Tiles: 16 rows by 128 columns, one group per step (H200 sweep at M=16), K split up to 8 ways while
+    # there are at most 1,024 programs and each split keeps 512 inputs.
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, 16)
     split_k = 1
-    while tiles * split_k < 264 and k // (split_k * 2) >= 512:
+    while split_k < 8 and tiles * split_k * 2 <= 1024 and k // (split_k * 2) >= 512:
         split_k *= 2
-    # Tile steps stay small: every stage holds (block_k, block_n) words, scales and mins in shared memory.
-    return W4A16Config(block_m=16, block_n=64, block_k=64, split_k=split_k, num_warps=4, num_stages=3)
+    return W4A16Config(block_m=16, block_n=128, block_k=group_size, split_k=split_k, num_warps=4, num_stages=3)
 
 
 # Powers of two for the GEMV (see the kernel): nibble p of a word, read in place as a float, is the subnormal
@@ -185,23 +188,44 @@ def _w4a16_kernel(
             acc2 += sc.to(tl.float32) * dot_codes + mn.to(tl.float32) * x_sum[:, None]
         acc = tl.sum(acc2, axis=0)[None, :] * _INV_SUM_UNIT
     else:
-        # Each row of the (BLOCK_K, BLOCK_N) tile re-reads its word (8 rows share one, from L1) and
-        # shifts out its own nibble: one dot per step, no reshape.
-        offs_k = tl.arange(0, BLOCK_K)
+        # Tensor-core tiles, one dot per group: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
+        # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
+        # keeps nibble k % 8. Codes are exact in any float dtype, so the dot sums exact products; per group
+        # and column,
+        #   sum_k x_k (code_k s + m) = s * dot + m * sum_k x_k
+        # is applied in float32 (no dequantised weight is ever rounded). For 16-bit x a code is made by one OR:
+        # bits 0x4300 | c are the bfloat16 128 + c, 0x6400 | c the float16 1024 + c; the offset's share,
+        # OFFSET * s * sum_k x_k, comes off with the mins. A step of BLOCK_K inputs unrolls BLOCK_K // GROUP
+        # groups; groups past the split's end load as zeros.
+        X_TY: tl.constexpr = x_ptr.dtype.element_ty
+        MAGIC: tl.constexpr = 0x4300 if X_TY == tl.bfloat16 else 0x6400
+        OFFSET: tl.constexpr = 0.0 if X_TY == tl.float32 else (128.0 if X_TY == tl.bfloat16 else 1024.0)
+        offs_kg = tl.arange(0, GROUP)
+        shifts = 4 * (offs_kg % 8)
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        g_end = k_hi // GROUP
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + offs_k
-            k_ok = ks < k_hi
-            mask2 = k_ok[:, None] & n_mask[None, :]
-            packed = tl.load(qw_ptr + (ks // 8)[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask2,
-                             other=0)
-            g = ks // GROUP
-            sc = tl.load(sc_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask2, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                        mask=m_mask[:, None] & k_ok[None, :], other=0.0)
-            codes = ((packed >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-            acc += dot(x, (codes * sc + mn).to(x.dtype), DOT_PRECISION, DOT_UPCAST)
+        for g0 in range(k_lo // GROUP, g_end, BLOCK_K // GROUP):
+            for i in tl.static_range(BLOCK_K // GROUP):
+                g = g0 + i
+                live = tl.full([BLOCK_N], g, tl.int32) < g_end  # (scalar & vector trips the interpreter)
+                n_ok = n_mask & live
+                # Row k of the tile reads word k // 8 (eight rows share a word, from L1) and keeps nibble k % 8.
+                packed = tl.load(qw_ptr + (g * (GROUP // 8) + offs_kg // 8)[:, None].to(tl.int64) * stride_qk
+                                 + offs_n[None, :], mask=n_ok[None, :], other=0)
+                codes = (packed >> shifts[:, None]) & 0xF
+                if X_TY == tl.float32:
+                    w_codes = codes.to(tl.float32)
+                else:
+                    w_codes = (codes | MAGIC).to(tl.int16).to(X_TY, bitcast=True)
+                m_ok = m_mask & (tl.full([BLOCK_M], g, tl.int32) < g_end)
+                x = tl.load(x_rows + g * GROUP + offs_kg[None, :], mask=m_ok[:, None], other=0.0)
+                sc = tl.load(sc_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                mn = tl.load(mn_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                d = dot(x, w_codes, DOT_PRECISION, DOT_UPCAST)
+                x_sum = tl.sum(x.to(tl.float32), axis=1)
+                acc += d * sc[None, :]  # two FMAs per element (a sum of the two products would take three)
+                acc += x_sum[:, None] * (mn - OFFSET * sc)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -261,7 +285,8 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     m, k = x.shape
     n = w.out_features
     cfg = config or default_config(m, n, k, w.group_size)
-    assert cfg.gemv or cfg.block_k >= 16, "tensor-core tiles need block_k >= 16"
+    assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
+    assert cfg.block_k % w.group_size == 0, f"block_k {cfg.block_k} is not whole groups of {w.group_size}"
     assert cfg.block_k % 8 == 0
     if cfg.gemv:
         groups = cfg.block_k // w.group_size
