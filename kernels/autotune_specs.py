@@ -9,6 +9,7 @@ import torch
 
 from kernels import paged_attention as pa
 from kernels import rmsnorm as rn
+from kernels import silu_mul as sm
 from kernels import w4a16 as wq
 from kernels._util import next_pow2
 from kernels.autotune import Candidate, KernelSpec, Problem
@@ -107,6 +108,62 @@ PAGED_DECODE = KernelSpec(
                       f"-kv{s.num_kv_heads}-d{s.head_dim}-p{s.block_size}-{str(s.dtype)[6:]}"),
 )
 
+# ---- paged extend (prefill) attention ----
+
+
+@dataclass(frozen=True)
+class ExtendShape:
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    query_len: int
+    """Longest chunk of new tokens in the batch; the gate mixes shorter, ragged ones in."""
+    context_len: int
+    """Longest context (cached prefix + chunk), >= query_len: chunked prefill when larger."""
+    dtype: torch.dtype = torch.bfloat16
+
+
+def _extend_problem(shape: ExtendShape, gen: torch.Generator, device: torch.device) -> Problem:
+    q_lens = torch.randint(1, shape.query_len + 1, (shape.num_seqs,), generator=gen).tolist()
+    q_lens[0] = shape.query_len
+    prefix = shape.context_len - shape.query_len
+    ctx = [q + int(torch.randint(0, prefix + 1, (1,), generator=gen)) for q in q_lens]
+    ctx[0] = shape.context_len
+    return make_paged_problem(ctx, q_lens, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
+                              shape.dtype, gen, device)
+
+
+def _extend_gate_shapes(shape: ExtendShape) -> list[ExtendShape]:
+    bs = shape.block_size
+    small = [(1, 1), (1, bs + 1), (bs - 1, bs - 1), (bs + 1, 3 * bs + 2), (37, 37), (37, 123)]
+    return [dataclasses.replace(shape, num_seqs=3, query_len=q, context_len=c) for q, c in small] + [shape]
+
+
+def _extend_run(cfg: pa.ExtendConfig, p: Problem) -> torch.Tensor:
+    return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+                           p["context_lens"], p["scale"], max_query_len=p["max_query_len"], config=cfg)
+
+
+def _extend_reference(p: Problem) -> torch.Tensor:
+    return pa.paged_extend_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+                                     p["context_lens"], p["scale"])
+
+
+PAGED_EXTEND = KernelSpec(
+    name="paged_extend", config_type=pa.ExtendConfig,
+    space=lambda s: [pa.ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                     for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+                     if bm * bn <= 8192],
+    gate_shapes=_extend_gate_shapes, make_problem=_extend_problem, run=_extend_run, reference=_extend_reference,
+    # Shared-memory proxy: the K and V tiles of every pipeline stage, plus the query tile.
+    cost=lambda cfg, s: float((2 * cfg.num_stages * cfg.block_n + cfg.block_m) * next_pow2(s.head_dim)
+                              * s.dtype.itemsize),
+    bucket=lambda s: (f"q{next_pow2(s.query_len)}-ctx{next_pow2(s.context_len)}-b{next_pow2(s.num_seqs)}"
+                      f"-h{s.num_heads}-kv{s.num_kv_heads}-d{s.head_dim}-p{s.block_size}-{str(s.dtype)[6:]}"),
+)
+
 # ---- W4A16 GEMM ----
 
 
@@ -184,6 +241,29 @@ RMSNORM = KernelSpec(
     bucket=lambda s: f"rows{next_pow2(s.num_rows)}-h{s.hidden}-{str(s.dtype)[6:]}",
 )
 
+# ---- SiLU-and-mul ----
+
+
+@dataclass(frozen=True)
+class SiluShape:
+    num_rows: int
+    intermediate: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+SILU_MUL = KernelSpec(
+    name="silu_mul", config_type=sm.SiluMulConfig,
+    space=lambda s: [sm.SiluMulConfig(block, w) for block in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)
+                     if 32 * w <= block <= max(256, next_pow2(s.intermediate))],
+    gate_shapes=lambda s: [dataclasses.replace(s, num_rows=r, intermediate=i)
+                           for r, i in ((1, 5), (3, 123), (5, s.intermediate + 1))] + [s],
+    make_problem=lambda s, gen, device: {"x": _randn((s.num_rows, 2 * s.intermediate), s.dtype, gen, device)},
+    run=lambda cfg, p: sm.silu_mul(p["x"], cfg),
+    reference=lambda p: sm.silu_mul_reference(p["x"]),
+    cost=lambda cfg, s: float(cfg.block // (32 * cfg.num_warps)),  # register proxy: elements per thread
+    bucket=lambda s: f"rows{next_pow2(s.num_rows)}-i{s.intermediate}-{str(s.dtype)[6:]}",
+)
+
 # ---- negative controls: broken variants the gate must reject ----
 
 
@@ -216,3 +296,33 @@ def broken_dropped_scale(cfg: wq.W4A16Config | None = None) -> Candidate:
         return wq.w4a16_matmul(p["x"], wq.W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins,
                                                       w.group_size), cfg)
     return Candidate("broken:dropped_scale", run, cfg)
+
+
+def broken_extend_block_table_stride(cfg: pa.ExtendConfig | None = None) -> Candidate:
+    """Extend reading the block table with a row stride one short, like :func:`broken_block_table_stride`."""
+    def run(p: Problem) -> torch.Tensor:
+        bt = p["block_tables"].clamp(min=0).contiguous()
+        bad = bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
+        return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], bad, p["cu_query_lens"], p["context_lens"],
+                               p["scale"], max_query_len=p["max_query_len"], config=cfg)
+    return Candidate("broken:extend_block_table_stride", run, cfg)
+
+
+def broken_extend_causal_shift(cfg: pa.ExtendConfig | None = None) -> Candidate:
+    """Extend that places each chunk one position early (contexts one short, the chunk's last key unseen by
+    every query; a cached prefix of at least one token keeps it in bounds)."""
+    def run(p: Problem) -> torch.Tensor:
+        q_lens = p["cu_query_lens"][1:] - p["cu_query_lens"][:-1]
+        short = torch.maximum(p["context_lens"] - 1, q_lens)
+        return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"], short,
+                               p["scale"], max_query_len=p["max_query_len"], config=cfg)
+    return Candidate("broken:extend_causal_shift", run, cfg)
+
+
+def broken_silu_mul_swapped(cfg: sm.SiluMulConfig | None = None) -> Candidate:
+    """SiLU-mul over [up | gate] instead of [gate | up]."""
+    def run(p: Problem) -> torch.Tensor:
+        x = p["x"]
+        half = x.shape[1] // 2
+        return sm.silu_mul(torch.cat([x[:, half:], x[:, :half]], dim=1).contiguous(), cfg)
+    return Candidate("broken:silu_mul_swapped", run, cfg)

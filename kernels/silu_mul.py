@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,8 +23,18 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.cons
     tl.store(out_ptr + row * stride_out + offs, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_mul(x: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
+@dataclass(frozen=True)
+class SiluMulConfig:
+    """block: columns of one row per program."""
+
+    block: int = 1024
+    num_warps: int = 4
+
+
+def silu_mul(x: torch.Tensor, config: SiluMulConfig | None = None) -> torch.Tensor:
     """x: (num_tokens, 2 * intermediate) laid out [gate | up]; returns (num_tokens, intermediate)."""
+    cfg = config or SiluMulConfig()
+    assert cfg.block & (cfg.block - 1) == 0, f"block must be a power of two, got {cfg.block}"
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"x must be (num_tokens, 2*inter), got {tuple(x.shape)}"
     check_float("x", x)
     check_last_contiguous("x", x)
@@ -30,8 +42,8 @@ def silu_mul(x: torch.Tensor, block: int = 1024, num_warps: int = 4) -> torch.Te
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    grid = (num_rows, triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps)
+    grid = (num_rows, triton.cdiv(inter, cfg.block))
+    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=cfg.block, num_warps=cfg.num_warps)
     return out
 
 

@@ -132,6 +132,45 @@ def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
     results["decode"] = rows
 
 
+def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+    """Prefill (extend) attention, causal, at chunk x context shapes: TFLOP/s against the matmul rate, for the
+    default config, the tuned one, and (to price the hi/lo P@V) the default with P rounded to bf16 first."""
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    print("\npaged extend (prefill) attention, bf16, 32 q / 8 kv heads, head_dim 128, page 16 (graphs; "
+          "FLOPs = 4 * d * heads * visible keys)")
+    print(f"{'seqs':>4} {'chunk':>5} {'ctx':>6} {'default us':>10} {'TF/s':>6} {'tuned us':>9} {'TF/s':>6} "
+          f"{'P->bf16 us':>10}  tuned config")
+    for seqs, chunk, ctx in ((1, 512, 512), (1, 2048, 2048), (4, 512, 4096), (1, 2048, 16384), (4, 2048, 2048)):
+        shape = specs.ExtendShape(seqs, HEADS, KV_HEADS, HEAD_DIM, PAGE, chunk, ctx, torch.bfloat16)
+        per_set = seqs * (ctx * KV_HEADS * 2 + chunk * HEADS * 2) * HEAD_DIM * 2
+        sets = []
+        for _ in range(max(1, min(16, rotate_bytes // per_set))):
+            sets.append(specs.make_paged_problem([ctx] * seqs, [chunk] * seqs, HEADS, KV_HEADS, HEAD_DIM, PAGE,
+                                                 torch.bfloat16, gen, CUDA))
+        flops = 4 * HEAD_DIM * HEADS * seqs * (chunk * (ctx - chunk) + chunk * (chunk + 1) // 2)
+        default_cfg = pa.ExtendConfig()
+        ms = graph_over(partial(specs.PAGED_EXTEND.run, default_cfg), sets)
+        pa.ROUND_P_BEFORE_PV = True  # one bf16 P@V instead of hi + lo: what the exact rounding costs
+        try:
+            ms_rounded = graph_over(partial(specs.PAGED_EXTEND.run, default_cfg), sets)
+        finally:
+            pa.ROUND_P_BEFORE_PV = False
+        row = {"seqs": seqs, "chunk": chunk, "ctx": ctx, "flops": flops, "default_ms": ms,
+               "default_tflop_s": flops / ms / 1e9, "p_rounded_ms": ms_rounded,
+               "default_config": dataclasses.asdict(default_cfg)}
+        if tune:
+            res = at.tune_and_cache(specs.PAGED_EXTEND, shape, CUDA, cache, timer=at.cuda_graph_timer,
+                                    bench_problems=sets)
+            row.update(tuned_ms=res.chosen.latency_ms, tuned_tflop_s=flops / res.chosen.latency_ms / 1e9,
+                       rejected=len(res.rejected), tuned_config=dataclasses.asdict(res.chosen.candidate.config))
+        rows.append(row)
+        print(f"{seqs:>4} {chunk:>5} {ctx:>6} {ms * 1e3:>10.1f} {flops / ms / 1e9:>6.0f} "
+              f"{row.get('tuned_ms', math.nan) * 1e3:>9.1f} {row.get('tuned_tflop_s', math.nan):>6.0f} "
+              f"{ms_rounded * 1e3:>10.1f}  {row.get('tuned_config', '')}")
+    results["extend"] = rows
+
+
 def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Tensor:
     return wq.w4a16_matmul(x, w, cfg)
 
@@ -212,7 +251,7 @@ def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_kernels.json")
-    parser.add_argument("--parts", default="decode,w4a16,rows")
+    parser.add_argument("--parts", default="decode,extend,w4a16,rows")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--rotate-mb", type=int, default=512)
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
@@ -227,7 +266,7 @@ def main() -> int:
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
-             "w4a16": bench_w4a16, "rows": bench_rows_kernel}
+             "extend": bench_extend, "w4a16": bench_w4a16, "rows": bench_rows_kernel}
     for part in args.parts.split(","):
         t0 = time.time()
         parts[part](results, cache, rotate, not args.no_tune)

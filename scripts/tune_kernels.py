@@ -8,12 +8,15 @@ choice), every shape bucket the worker looks up (``stride/workers/kernel_configs
   context length dropped);
 - the W4A16 GEMM for each projection whose GGUF tensors are Q4_0/Q4_1 (the worker keeps exactly those 4-bit),
   at M = --m (decode row counts; buckets are powers of two);
-- RMSNorm at --rows token counts.
+- paged extend (prefill) attention for --chunks new tokens per sequence, each over a fresh prompt and over a
+  cached prefix of --contexts (chunked prefill), for --prefill-batches sequences;
+- RMSNorm and SiLU-mul at --rows token counts.
 
 The cache is ``--cache``, else ``STRIDE_AUTOTUNE_CACHE``, else ``~/.cache/stride/autotune.json``; entries are
 keyed by GPU name, so one file can hold several GPUs. ``--dry-run`` prints the shapes and needs no GPU.
 
-    PYTHONPATH=. python3 scripts/tune_kernels.py --model /path/to/model.gguf [--kernels decode,w4a16,rmsnorm]
+    PYTHONPATH=. python3 scripts/tune_kernels.py --model /path/to/model.gguf \
+        [--kernels decode,extend,w4a16,rmsnorm,silu_mul]
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ W4A16_GROUP = 32  # W4A16Linear's group size (GGUF Q4 blocks)
 
 @dataclass
 class TuneShapes:
-    """Every shape to tune, per kernel spec name (``paged_decode``, ``w4a16``, ``rmsnorm``)."""
+    """Every shape to tune, per kernel."""
 
     decode: list[specs.DecodeShape] = field(default_factory=list)
+    extend: list[specs.ExtendShape] = field(default_factory=list)
     w4a16: list[specs.GemmShape] = field(default_factory=list)
     rmsnorm: list[specs.NormShape] = field(default_factory=list)
+    silu_mul: list[specs.SiluShape] = field(default_factory=list)
 
 
 def projection_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
@@ -58,6 +63,7 @@ def tuning_shapes(
     args: ModelArgs, q4_projections: set[str], dtype: torch.dtype, block_size: int = 16,
     batches: tuple[int, ...] = (1, 16, 64), contexts: tuple[int, ...] = (1024, 4096, 16384),
     ms: tuple[int, ...] = (1, 2, 4, 8, 16), rows: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096),
+    chunks: tuple[int, ...] = (128, 512, 2048), prefill_batches: tuple[int, ...] = (1, 4),
 ) -> TuneShapes:
     """The shapes for ``args``; ``q4_projections`` names the projections kept 4-bit (keys of
     :func:`projection_shapes`). Contexts past the model's context length are dropped (the longest kept)."""
@@ -67,7 +73,13 @@ def tuning_shapes(
                   for b in batches for c in ctxs]
     gemms = {nk for name, nk in projection_shapes(args).items() if name in q4_projections}
     out.w4a16 = [specs.GemmShape(m, n, k, W4A16_GROUP, dtype) for n, k in sorted(gemms) for m in ms]
+    out.extend = sorted({specs.ExtendShape(b, args.num_heads, args.num_kv_heads, args.head_dim, block_size, q, c,
+                                           dtype)
+                         for b in prefill_batches for q in chunks if q <= ctxs[-1]
+                         for c in (q, *(c for c in ctxs if c > q))},
+                        key=lambda s: (s.num_seqs, s.query_len, s.context_len))
     out.rmsnorm = [specs.NormShape(r, args.hidden_size, dtype) for r in rows]
+    out.silu_mul = [specs.SiluShape(r, args.intermediate_size, dtype) for r in rows]
     return out
 
 
@@ -109,6 +121,12 @@ def _decode_bytes(s: specs.DecodeShape) -> int:
     return s.num_seqs * s.context_len * s.num_kv_heads * s.head_dim * 2 * s.dtype.itemsize
 
 
+def _extend_bytes(s: specs.ExtendShape) -> int:
+    q = s.num_seqs * s.query_len * s.num_heads * s.head_dim * 2  # queries in, outputs out
+    kv = s.num_seqs * s.context_len * s.num_kv_heads * s.head_dim * 2
+    return (q + kv) * s.dtype.itemsize
+
+
 def _tune_all(spec: at.KernelSpec, shapes: list, nbytes: Any, cache: at.AutotuneCache, budget: int) -> None:
     device = torch.device("cuda")
     for shape in shapes:
@@ -131,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="HF checkpoint dir or GGUF file (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES), help="the worker's run dtype")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    parser.add_argument("--kernels", default="decode,w4a16,rmsnorm")
+    parser.add_argument("--kernels", default="decode,extend,w4a16,rmsnorm,silu_mul")
     parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     parser.add_argument("--contexts", default="1024,4096,16384", help="decode context lengths")
     parser.add_argument("--m", default="1,2,4,8,16", help="W4A16 row counts")
-    parser.add_argument("--rows", default="1,16,64,256,1024,4096", help="RMSNorm row counts")
+    parser.add_argument("--rows", default="1,16,64,256,1024,4096", help="RMSNorm and SiLU-mul row counts")
+    parser.add_argument("--chunks", default="128,512,2048", help="prefill chunk lengths (new tokens)")
+    parser.add_argument("--prefill-batches", default="1,4", help="sequences per prefill step")
     parser.add_argument("--cache", default="", help="cache file (default: STRIDE_AUTOTUNE_CACHE or ~/.cache/...)")
     parser.add_argument("--rotate-mb", type=int, default=256, help="timing data per shape, to defeat the L2")
     parser.add_argument("--geometry", default="", help="instead of --model: hidden,heads,kv_heads,head_dim,"
@@ -150,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         path = opts.model or default_model_path()
         args, q4 = read_model(path)
     shapes = tuning_shapes(args, q4, _DTYPES[opts.dtype], opts.block_size, _ints(opts.batches),
-                           _ints(opts.contexts), _ints(opts.m), _ints(opts.rows))
+                           _ints(opts.contexts), _ints(opts.m), _ints(opts.rows), _ints(opts.chunks),
+                           _ints(opts.prefill_batches))
     wanted = set(opts.kernels.split(","))
     print(f"{path}: hidden {args.hidden_size}, heads {args.num_heads}/{args.num_kv_heads} x {args.head_dim}, "
           f"intermediate {args.intermediate_size}, 4-bit projections: {sorted(q4) or 'none'}")
     plan = [(specs.PAGED_DECODE, shapes.decode, _decode_bytes, "decode"),
+            (specs.PAGED_EXTEND, shapes.extend, _extend_bytes, "extend"),
             (specs.W4A16, shapes.w4a16, lambda s: s.n * s.k // 2, "w4a16"),
-            (specs.RMSNORM, shapes.rmsnorm, lambda s: 4 * s.num_rows * s.hidden * s.dtype.itemsize, "rmsnorm")]
+            (specs.RMSNORM, shapes.rmsnorm, lambda s: 4 * s.num_rows * s.hidden * s.dtype.itemsize, "rmsnorm"),
+            (specs.SILU_MUL, shapes.silu_mul, lambda s: 3 * s.num_rows * s.intermediate * s.dtype.itemsize,
+             "silu_mul")]
     plan = [p for p in plan if p[3] in wanted]
     for spec, todo, _, _ in plan:
         print(f"{spec.name}: {len(todo)} shapes: {', '.join(spec.bucket(s) for s in todo)}")

@@ -13,20 +13,30 @@ from kernels import w4a16 as wq
 from kernels.autotune import AutotuneCache, Candidate, Point, cached_config, choose, gate, pareto_front, tune
 from kernels.autotune_specs import (
     PAGED_DECODE,
+    PAGED_EXTEND,
     RMSNORM,
+    SILU_MUL,
     W4A16,
     DecodeShape,
+    ExtendShape,
     GemmShape,
     NormShape,
+    SiluShape,
     broken_block_table_stride,
     broken_dropped_scale,
+    broken_extend_block_table_stride,
+    broken_extend_causal_shift,
     broken_off_by_one_mask,
+    broken_silu_mul_swapped,
 )
+from kernels.silu_mul import SiluMulConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DECODE_SHAPE = DecodeShape(num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, context_len=40,
                            dtype=torch.float32)
 GEMM_SHAPE = GemmShape(m=3, n=64, k=256, dtype=torch.float32)
+EXTEND_SHAPE = ExtendShape(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, query_len=20,
+                           context_len=45, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,6 +60,23 @@ def test_gate_rejects_dropped_scale_and_accepts_real_gemm():
     cfg = wq.W4A16Config(block_n=32, block_k=128, split_k=2)
     assert gate(W4A16, W4A16.candidate(cfg), GEMM_SHAPE, DEVICE).ok
     assert not gate(W4A16, broken_dropped_scale(cfg), GEMM_SHAPE, DEVICE).ok
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_accepts_real_extend_configs_and_rejects_broken_ones(dtype):
+    shape = dataclasses.replace(EXTEND_SHAPE, dtype=dtype)
+    for cfg in (pa.ExtendConfig(block_m=16, block_n=16), pa.ExtendConfig(block_m=32, block_n=16)):
+        result = gate(PAGED_EXTEND, PAGED_EXTEND.candidate(cfg), shape, DEVICE)
+        assert result.ok, result.detail
+        for make_broken in (broken_extend_block_table_stride, broken_extend_causal_shift):
+            assert not gate(PAGED_EXTEND, make_broken(cfg), shape, DEVICE).ok, make_broken.__name__
+
+
+def test_gate_accepts_real_silu_mul_and_rejects_swapped_halves():
+    shape = SiluShape(num_rows=4, intermediate=300, dtype=torch.float32)
+    for cfg in (SiluMulConfig(block=64, num_warps=1), SiluMulConfig(block=256, num_warps=2)):
+        assert gate(SILU_MUL, SILU_MUL.candidate(cfg), shape, DEVICE).ok
+        assert not gate(SILU_MUL, broken_silu_mul_swapped(cfg), shape, DEVICE).ok
 
 
 def test_gate_rejects_a_bug_that_only_ragged_shapes_expose():
@@ -122,6 +149,8 @@ def test_spaces_are_non_empty_and_costs_rank_workspace():
     costs = {PAGED_DECODE.cost(c, shape) for c in space}
     assert 0.0 in costs and max(costs) > 0
     assert W4A16.space(GemmShape(1, 4096, 4096)) and RMSNORM.space(NormShape(8, 4096))
+    assert PAGED_EXTEND.space(EXTEND_SHAPE) and SILU_MUL.space(SiluShape(8, 14336))
+    assert len({PAGED_EXTEND.bucket(dataclasses.replace(EXTEND_SHAPE, query_len=q)) for q in (20, 200)}) == 2
     assert W4A16.cost(wq.W4A16Config(split_k=1), GemmShape(1, 64, 256)) == 0
     assert RMSNORM.cost(rn.RMSNormConfig(1, 4), NormShape(8, 4096)) > RMSNORM.cost(rn.RMSNormConfig(1, 16),
                                                                                     NormShape(8, 4096))

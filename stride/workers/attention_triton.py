@@ -8,9 +8,9 @@ compare this backend with the torch one that way).
 K/V are written into the cache exactly as the torch backend writes them (one index_put per tensor), then
 one launch attends: ``paged_decode`` when every sequence of the step decodes (split-K over long contexts),
 ``paged_extend`` otherwise (prefill chunks and decode rows together). The step's maxima come from the host
-(:class:`AttentionMetadata`), so nothing here waits on the device. On CUDA the decode launch takes the autotuned
-config of its shape bucket (:mod:`stride.workers.kernel_configs`); the extend kernel has no tuning spec yet and
-keeps its default.
+(:class:`AttentionMetadata`), so nothing here waits on the device. On CUDA both launches take the autotuned
+config of their shape bucket (:mod:`stride.workers.kernel_configs`), or the launcher's default where none is
+cached.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class TritonPagedAttention(TorchPagedAttention):
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
                 config=config,
             )
+        num_tokens, num_heads, head_dim = q.shape
+        config = for_device(q.device).extend(
+            meta.context_lens.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], meta.max_query_len,
+            meta.max_context_len, q.dtype,
+        )
         return paged_extend(
             q,
             k_cache,
@@ -55,4 +60,5 @@ class TritonPagedAttention(TorchPagedAttention):
             meta.context_lens,
             scale,
             meta.max_query_len,
+            config=config,
         )

@@ -49,6 +49,20 @@ class KernelConfigs:
             self._memo[key] = self._lookup(specs.PAGED_DECODE, shape)
         return self._memo[key]
 
+    def extend(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+        max_query_len: int, max_context_len: int, dtype: torch.dtype,
+    ) -> Any | None:
+        """:class:`kernels.paged_attention.ExtendConfig` for a step with prefill chunks, or None."""
+        if self.cache is None:
+            return None
+        key = ("extend", next_pow2(num_seqs), next_pow2(max_query_len), next_pow2(max_context_len), num_heads,
+               num_kv_heads, head_dim, block_size, dtype)
+        if key not in self._memo:
+            shape = specs.ExtendShape(key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], key[3], dtype)
+            self._memo[key] = self._lookup(specs.PAGED_EXTEND, shape)
+        return self._memo[key]
+
     def w4a16(self, m: int, n: int, k: int, group_size: int, dtype: torch.dtype) -> Any | None:
         """:class:`kernels.w4a16.W4A16Config` for an (m, k) x (k, n) product, or None."""
         if self.cache is None:
@@ -65,6 +79,15 @@ class KernelConfigs:
         key = ("rmsnorm", next_pow2(num_rows), hidden, dtype)
         if key not in self._memo:
             self._memo[key] = self._lookup(specs.RMSNORM, specs.NormShape(key[1], hidden, dtype))
+        return self._memo[key]
+
+    def silu_mul(self, num_rows: int, intermediate: int, dtype: torch.dtype) -> Any | None:
+        """:class:`kernels.silu_mul.SiluMulConfig` for (num_rows, 2 * intermediate) inputs, or None."""
+        if self.cache is None:
+            return None
+        key = ("silu_mul", next_pow2(num_rows), intermediate, dtype)
+        if key not in self._memo:
+            self._memo[key] = self._lookup(specs.SILU_MUL, specs.SiluShape(key[1], intermediate, dtype))
         return self._memo[key]
 
     def _lookup(self, spec: at.KernelSpec, shape: Any) -> Any | None:

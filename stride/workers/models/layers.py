@@ -266,7 +266,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused:
-            return self.down_proj(_kernel("silu_mul").silu_mul(gate_up))
+            config = _tuned(x.device).silu_mul(gate_up.shape[0], gate_up.shape[1] // 2, gate_up.dtype)
+            return self.down_proj(_kernel("silu_mul").silu_mul(gate_up, config=config))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
