@@ -26,6 +26,8 @@ from stride.workers.runner import ModelRunner
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cpu_triton = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on CPU tensors need the "
+                                "interpreter, which `import kernels` turns on only where CUDA is absent")
 
 
 def make_checkpoint(
@@ -111,6 +113,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @torch.inference_mode()
+@cpu_triton
 def test_triton_backend_equals_torch_backend_cpu(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
     tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from test_worker_loader import write_gguf
-from test_worker_triton import Steps, count_calls
+from test_worker_triton import Steps, count_calls, cpu_triton
 
 import kernels  # noqa: F401  (before Triton loads: without CUDA it turns on the interpreter; see test_worker_triton)
 from kernels.w4a16 import W4A16Weight, dequantize
@@ -91,8 +91,7 @@ def test_packed_projections_hold_the_gguf_weights(
     assert torch.equal(_dequantised(wrong.o_proj), dense.layers[1].self_attn.o_proj.weight)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels through the CPU interpreter; the GPU "
-                    "twin is test_w4a16_worker_on_cuda_matches_dense_bf16")
+@cpu_triton  # the GPU twin: test_w4a16_worker_on_cuda_matches_dense_bf16
 @torch.inference_mode()
 def test_w4a16_worker_equals_dequantised_worker(
     gguf_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
