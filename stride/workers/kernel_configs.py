@@ -15,6 +15,7 @@ Imported only on the Triton path (it imports the kernels); the torch backend nev
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,55 +40,44 @@ class KernelConfigs:
         max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
         """:class:`kernels.paged_attention.DecodeConfig` for a decode-only step, or None."""
-        if self.cache is None:
-            return None
         # The bucket rounds batch and context up to powers of two; so does this key.
         key = ("decode", next_pow2(num_seqs), next_pow2(max_context_len), num_heads, num_kv_heads, head_dim,
                block_size, dtype)
-        if key not in self._memo:
-            shape = specs.DecodeShape(key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], dtype)
-            self._memo[key] = self._lookup(specs.PAGED_DECODE, shape)
-        return self._memo[key]
+        return self._config(specs.PAGED_DECODE, key, lambda: specs.DecodeShape(
+            key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], dtype))
 
     def extend(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         max_query_len: int, max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
         """:class:`kernels.paged_attention.ExtendConfig` for a step with prefill chunks, or None."""
-        if self.cache is None:
-            return None
         key = ("extend", next_pow2(num_seqs), next_pow2(max_query_len), next_pow2(max_context_len), num_heads,
                num_kv_heads, head_dim, block_size, dtype)
-        if key not in self._memo:
-            shape = specs.ExtendShape(key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], key[3], dtype)
-            self._memo[key] = self._lookup(specs.PAGED_EXTEND, shape)
-        return self._memo[key]
+        return self._config(specs.PAGED_EXTEND, key, lambda: specs.ExtendShape(
+            key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], key[3], dtype))
 
     def w4a16(self, m: int, n: int, k: int, group_size: int, dtype: torch.dtype) -> Any | None:
         """:class:`kernels.w4a16.W4A16Config` for an (m, k) x (k, n) product, or None."""
-        if self.cache is None:
-            return None
         key = ("w4a16", next_pow2(m), n, k, group_size, dtype)
-        if key not in self._memo:
-            self._memo[key] = self._lookup(specs.W4A16, specs.GemmShape(key[1], n, k, group_size, dtype))
-        return self._memo[key]
+        return self._config(specs.W4A16, key, lambda: specs.GemmShape(key[1], n, k, group_size, dtype))
 
     def rmsnorm(self, num_rows: int, hidden: int, dtype: torch.dtype) -> Any | None:
         """:class:`kernels.rmsnorm.RMSNormConfig` for (num_rows, hidden), or None."""
-        if self.cache is None:
-            return None
         key = ("rmsnorm", next_pow2(num_rows), hidden, dtype)
-        if key not in self._memo:
-            self._memo[key] = self._lookup(specs.RMSNORM, specs.NormShape(key[1], hidden, dtype))
-        return self._memo[key]
+        return self._config(specs.RMSNORM, key, lambda: specs.NormShape(key[1], hidden, dtype))
 
     def silu_mul(self, num_rows: int, intermediate: int, dtype: torch.dtype) -> Any | None:
         """:class:`kernels.silu_mul.SiluMulConfig` for (num_rows, 2 * intermediate) inputs, or None."""
+        key = ("silu_mul", next_pow2(num_rows), intermediate, dtype)
+        return self._config(specs.SILU_MUL, key, lambda: specs.SiluShape(key[1], intermediate, dtype))
+
+    def _config(self, spec: at.KernelSpec, key: tuple[Any, ...], shape: Callable[[], Any]) -> Any | None:
+        """The memoised entry for ``key`` (a hashable stand-in for the bucket); ``shape`` builds the spec's
+        shape on the first lookup only."""
         if self.cache is None:
             return None
-        key = ("silu_mul", next_pow2(num_rows), intermediate, dtype)
         if key not in self._memo:
-            self._memo[key] = self._lookup(specs.SILU_MUL, specs.SiluShape(key[1], intermediate, dtype))
+            self._memo[key] = self._lookup(spec, shape())
         return self._memo[key]
 
     def _lookup(self, spec: at.KernelSpec, shape: Any) -> Any | None:
