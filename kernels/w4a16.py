@@ -210,7 +210,6 @@ def _w4a16_kernel(
                 g = g0 + i
                 live = tl.full([BLOCK_N], g, tl.int32) < g_end  # (scalar & vector trips the interpreter)
                 n_ok = n_mask & live
-                # Row k of the tile reads word k // 8 (eight rows share a word, from L1) and keeps nibble k % 8.
                 packed = tl.load(qw_ptr + (g * (GROUP // 8) + offs_kg // 8)[:, None].to(tl.int64) * stride_qk
                                  + offs_n[None, :], mask=n_ok[None, :], other=0)
                 codes = (packed >> shifts[:, None]) & 0xF
