@@ -21,8 +21,9 @@ hi = P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot
 float32: P to about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA
 beside the two of q.k and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which
 does not change, and on an H200 it kept its bandwidth (docs/perf.md, second pass); the extend (prefill)
-kernel pays it (not measured yet). Float32 caches need none of this (P is never rounded).
-ROUND_P_BEFORE_PV switches the split off, for the tests' negative control.
+kernel pays it: 25-33% longer than one P@V on an H200 (docs/perf.md, fourth pass). Float32 caches need none
+of this (P is never rounded). ROUND_P_BEFORE_PV switches the split off, for the tests' negative control and
+the benchmark's price of the split.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from kernels._util import check_float, dot, dot_args, next_pow2
 _LOG2E = 1.4426950408889634
 
 ROUND_P_BEFORE_PV = False
-"""Negative control for the tests only: True rounds P to the cache dtype before one P@V dot (the old
-kernels), which the bitwise checks against the float32 reference must catch."""
+"""True rounds P to the cache dtype before one P@V dot (the old kernels): the tests' negative control, which
+the bitwise checks against the float32 reference must catch, and what ``bench_kernels.py`` prices the split
+against. Read at launch."""
 
 
 @triton.jit
