@@ -276,14 +276,17 @@ def broken_off_by_one_mask(cfg: pa.DecodeConfig | None = None) -> Candidate:
     return Candidate("broken:off_by_one_mask", run, cfg)
 
 
-def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
-    """Decode reading the block table with a row stride one short (as if it were max_blocks - 1 wide).
+def _table_stride_one_short(block_tables: torch.Tensor) -> torch.Tensor:
+    """The block table read with a row stride one short (as if it were max_blocks - 1 wide). Unused (-1)
+    entries are clamped to block 0 first so the broken variants stay memory-safe on a GPU."""
+    bt = block_tables.clamp(min=0).contiguous()
+    return bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
 
-    Unused (-1) entries are clamped to block 0 first so the broken variant stays memory-safe on a GPU.
-    """
+
+def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
+    """Decode reading the block table with a row stride one short (:func:`_table_stride_one_short`)."""
     def run(p: Problem) -> torch.Tensor:
-        bt = p["block_tables"].clamp(min=0).contiguous()
-        bad = bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
+        bad = _table_stride_one_short(p["block_tables"])
         return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], bad, p["context_lens"], p["scale"],
                                max_context_len=p["max_context_len"], config=cfg)
     return Candidate("broken:block_table_stride", run, cfg)
@@ -299,10 +302,9 @@ def broken_dropped_scale(cfg: wq.W4A16Config | None = None) -> Candidate:
 
 
 def broken_extend_block_table_stride(cfg: pa.ExtendConfig | None = None) -> Candidate:
-    """Extend reading the block table with a row stride one short, like :func:`broken_block_table_stride`."""
+    """Extend reading the block table with a row stride one short (:func:`_table_stride_one_short`)."""
     def run(p: Problem) -> torch.Tensor:
-        bt = p["block_tables"].clamp(min=0).contiguous()
-        bad = bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
+        bad = _table_stride_one_short(p["block_tables"])
         return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], bad, p["cu_query_lens"], p["context_lens"],
                                p["scale"], max_query_len=p["max_query_len"], config=cfg)
     return Candidate("broken:extend_block_table_stride", run, cfg)
