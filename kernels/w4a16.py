@@ -285,13 +285,11 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     n = w.out_features
     cfg = config or default_config(m, n, k, w.group_size)
     assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
+    # Whole groups per step (check_weight: a group is whole words); the GEMV's step a power of two of them.
     assert cfg.block_k % w.group_size == 0, f"block_k {cfg.block_k} is not whole groups of {w.group_size}"
-    assert cfg.block_k % 8 == 0
-    if cfg.gemv:
-        groups = cfg.block_k // w.group_size
-        assert cfg.block_k % w.group_size == 0 and groups & (groups - 1) == 0, (
-            f"a GEMV step holds a power-of-two number of whole groups (block_k {cfg.block_k}, "
-            f"group {w.group_size})")
+    groups = cfg.block_k // w.group_size
+    assert not cfg.gemv or groups & (groups - 1) == 0, (
+        f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
     block_m = 1 if cfg.gemv else cfg.block_m
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
