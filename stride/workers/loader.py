@@ -264,7 +264,13 @@ def _unpermute_gguf(kind: str, rows: np.ndarray, args: ModelArgs) -> np.ndarray:
     return rows
 
 
-def _packed_q4(t: Any, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
+def _dequantized(t: Any) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+
+
+def _packed_q4(t: Any, kind: str, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
     """A Q4_0/Q4_1 projection as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
     and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same
     rows move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
@@ -272,7 +278,7 @@ def _packed_q4(t: Any, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
 
     k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
     rows = np.asarray(t.data).reshape(n, -1)
-    rows = _unpermute_gguf(t.name.split(".")[2], rows, args)
+    rows = _unpermute_gguf(kind, rows, args)
     return from_gguf_q4(rows, t.tensor_type.name, (n, k), scale_dtype)
 
 
@@ -280,8 +286,6 @@ def _gguf_tensors(
     reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype
 ) -> Iterator[tuple[str, Any]]:
     """``(HF name, tensor)``: dequantised float32 tensors, and W4A16Weight for the GGUF names in ``packed``."""
-    import gguf
-
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already in ModelArgs
@@ -293,7 +297,7 @@ def _gguf_tensors(
             layer, kind = parts[1], parts[2]
             prefix = f"model.layers.{layer}."
             if kind in _GGUF_EXPERT_NAMES:  # (num_experts, out, in): one HF tensor per expert
-                data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                data = _dequantized(t)
                 for e in range(data.shape[0]):
                     name = f"{prefix}block_sparse_moe.experts.{e}.{_GGUF_EXPERT_NAMES[kind]}.weight"
                     yield name, _to_torch(data[e])
@@ -302,12 +306,10 @@ def _gguf_tensors(
                 raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
             name = prefix + _GGUF_LAYER_NAMES[kind] + ".weight"
             if t.name in packed:
-                yield name, _packed_q4(t, args, scale_dtype)
+                yield name, _packed_q4(t, kind, args, scale_dtype)
                 continue
-            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            yield name, _to_torch(_unpermute_gguf(kind, data, args))
+            yield name, _to_torch(_unpermute_gguf(kind, _dequantized(t), args))
         elif parts[0] in _GGUF_TOP_NAMES:
-            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            yield _GGUF_TOP_NAMES[parts[0]] + ".weight", _to_torch(data)
+            yield _GGUF_TOP_NAMES[parts[0]] + ".weight", _to_torch(_dequantized(t))
         else:
             raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
