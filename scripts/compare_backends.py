@@ -52,6 +52,12 @@ def run_schedule(runner: ModelRunner, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
+def step_cosines(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    """Per step, the smallest logit cosine over its rows."""
+    return [min(torch.nn.functional.cosine_similarity(g[r], w[r], dim=0).item() for r in range(len(w)))
+            for g, w in zip(got, want, strict=True)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -73,16 +79,10 @@ def main() -> int:
     ref = logits[ref_key]
     print(f"min over rows of the logit cosine with {ref_key[0]}:{ref_key[1]}, per step; max abs error")
     for key, got in logits.items():
-        cos = [
-            min(torch.nn.functional.cosine_similarity(g[r], w[r], dim=0).item() for r in range(len(w)))
-            for g, w in zip(got, ref, strict=True)
-        ]
         err = max((g - w).abs().max().item() for g, w in zip(got, ref, strict=True))
-        print(f"  {key[0]:>7}:{key[1]:<9} " + " ".join(f"{c:.6f}" for c in cos) + f"   {err:.3g}")
+        print(f"  {key[0]:>7}:{key[1]:<9} " + " ".join(f"{c:.6f}" for c in step_cosines(got, ref)) + f"   {err:.3g}")
     if ("torch", "bfloat16") in logits and ("triton", "bfloat16") in logits:
-        a, b = logits[("torch", "bfloat16")], logits[("triton", "bfloat16")]
-        cos = [min(torch.nn.functional.cosine_similarity(x[r], y[r], dim=0).item() for r in range(len(x)))
-               for x, y in zip(a, b, strict=True)]
+        cos = step_cosines(logits[("triton", "bfloat16")], logits[("torch", "bfloat16")])
         print("  triton:bf16 vs torch:bf16 " + " ".join(f"{c:.6f}" for c in cos))
     return 0
 
