@@ -37,19 +37,18 @@ class TritonPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        _, num_heads, head_dim = q.shape
+        num_seqs, (block_size, num_kv_heads) = meta.context_lens.shape[0], k_cache.shape[1:3]
         if meta.max_query_len == 1:
-            num_seqs, num_heads, head_dim = q.shape
             config = for_device(q.device).decode(
-                num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], meta.max_context_len, q.dtype
+                num_seqs, num_heads, num_kv_heads, head_dim, block_size, meta.max_context_len, q.dtype
             )
             return paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
                 config=config,
             )
-        num_tokens, num_heads, head_dim = q.shape
         config = for_device(q.device).extend(
-            meta.context_lens.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], meta.max_query_len,
-            meta.max_context_len, q.dtype,
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, meta.max_query_len, meta.max_context_len, q.dtype
         )
         return paged_extend(
             q,
