@@ -182,15 +182,19 @@ def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) 
 
 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
-    """Tensor-core tiles from M=2 up; the GEMV (one row per program, FMA dot products) up to M=8."""
+    """Tensor-core tiles from M=2 up; the GEMV (1, 2 or 4 rows per program, FMA dot products) up to M=8."""
     tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
              for bn in (64, 128) for bk in (shape.group_size, 2 * shape.group_size) for sk in (1, 2, 4, 8)
              for st in (3, 4) if shape.k // (sk * bk) >= 2] if shape.m >= 2 and shape.group_size >= 16 else []
-    # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile.
-    gemv = [wq.W4A16Config(block_m=1, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
-            for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4) for w in (4, 8)
-            if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0
-            and bk // shape.group_size * bn <= 16 * 32 * w] if shape.m <= 8 else []
+    # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile,
+    # and at 32 or fewer over the rows of a program (each row keeps two float32 accumulators per word). Several
+    # rows per program with 32 columns only (the H200 sweep's choice at every shape).
+    gemv = [wq.W4A16Config(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
+            for bm in (1, 2, 4) for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4)
+            for w in (4, 8)
+            if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0 and (bm == 1 or (bn == 32 and bm < 2 * shape.m))
+            and bk // shape.group_size * bn <= 16 * 32 * w
+            and bm * (bk // shape.group_size) * bn <= 32 * 32 * w] if shape.m <= 8 else []
     return gemv + tiles
 
 

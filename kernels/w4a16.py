@@ -41,7 +41,8 @@ class W4A16Weight:
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """gemv: one activation row per program, FMA dot products (decode, M <= 4); else tensor-core tiles.
+    """gemv: FMA dot products over block_m (1, 2 or 4) activation rows per program (decode); else tensor-core
+    tiles of block_m rows.
 
     block_k: inputs per step, whole groups (the tiles take one dot per group, so a step unrolls groups).
     split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
@@ -58,21 +59,34 @@ class W4A16Config:
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
-    """GEMV up to 4 rows (it beat the tiles there on an H200), 32 columns per program. From the H200 sweep at
-    Llama-3.1-8B shapes (docs/perf.md): with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs
-    at a time over 4 warps; with fewer (qkv, o, down) every program takes one or two long steps of up to
-    4,096 inputs over 8 warps, K split into pieces of at most 4,096 (fewer dependent round trips per program
-    pays more than split-K's extra programs). Tensor-core tiles from 5 rows (GEMV and tiles cost the same
-    near 8 rows)."""
-    if m <= 4 or group_size < 16:  # a tile's dot needs 16 inputs per group
+    """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above. From H200 sweeps at
+    Llama-3.1-8B shapes (docs/perf.md).
+
+    One row: with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs at a time over 4 warps;
+    with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,
+    K split into pieces of at most 4,096 (fewer dependent round trips per program pays more than split-K's
+    extra programs). Two rows: two per program in 2,048-input steps, K split in two below 512 column tiles;
+    but with 128 or fewer column tiles and K in one step (o) a program per row was faster. Three to eight
+    rows: four per program in 1,024-input steps over 4 warps, K split in two below 512 column tiles up to 4
+    rows (at 8 rows there are programs enough without)."""
+    if m <= 8 or group_size < 16:  # a tile's dot needs 16 inputs per group
         block_n = 32
-        if triton.cdiv(n, block_n) >= 512:
-            split_k, step, warps = 1, 1024, 4
+        col_tiles = triton.cdiv(n, block_n)
+        if m == 1 or (m == 2 and col_tiles <= 128 and k <= 4096) or m > 8:
+            block_m = 1
+            if col_tiles >= 512:
+                split_k, step, warps = 1, 1024, 4
+            else:
+                split_k = triton.cdiv(k, 4096)
+                step, warps = 4096 if split_k == 1 else 2048, 8
+        elif m == 2:
+            block_m, step, warps = 2, 2048, 8 if k > 8192 else 4
+            split_k = 1 if col_tiles >= 512 else 2
         else:
-            split_k = triton.cdiv(k, 4096)
-            step, warps = 4096 if split_k == 1 else 2048, 8
+            block_m, step, warps = 4, 1024, 4
+            split_k = 1 if col_tiles >= 512 or m > 4 else 2
         groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
-        return W4A16Config(block_m=1, block_n=block_n, block_k=groups * group_size, split_k=split_k,
+        return W4A16Config(block_m=block_m, block_n=block_n, block_k=groups * group_size, split_k=split_k,
                            num_warps=warps, num_stages=3, gemv=True)
     # Tiles: 16 rows by 128 columns, one group per step (H200 sweep at M=16), K split up to 8 ways while
     # there are at most 1,024 programs and each split keeps 512 inputs.
@@ -87,9 +101,26 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
 # code * 16^p * 2^-149 (p < 6: the bits stay below 2^24); x * 2^(96 - 4p) meets it at code * x * 2^-53.
 _X_SCALE = tl.constexpr(tuple(2.0 ** (96 - 4 * p) for p in range(6)))
 _X_EXP = tl.constexpr(tuple((96 - 4 * p) << 23 for p in range(6)))  # the same, added to a float32's exponent
-_XS_UNIT = tl.constexpr(tuple(2.0 ** (-96 + 4 * p - 53) for p in range(6)))  # prescaled sums -> 2^-53 units
 _SUM_UNIT = tl.constexpr(2.0**-53)
 _INV_SUM_UNIT = tl.constexpr(2.0**53)
+
+
+@triton.jit
+def _x_prescaled(x_row, k_in, k_at, g_ok, P: tl.constexpr):
+    """x[k] * 2^(96 - 4P) as float32 for one row: bf16 widened and prescaled by one integer op from an unmasked
+    load at the clamped index k_in (a masked load costs two more instructions per value); other dtypes
+    loaded masked at k_at."""
+    if x_row.dtype.element_ty == tl.bfloat16:
+        xb = tl.load(x_row + k_in).to(tl.int16, bitcast=True).to(tl.int32)
+        return ((xb << 16) + _X_EXP[P]).to(tl.float32, bitcast=True)
+    return tl.load(x_row + k_at, mask=g_ok, other=0.0).to(tl.float32) * _X_SCALE[P]
+
+
+@triton.jit
+def _group_sums(x_row, gs_in, g_ok, GROUP: tl.constexpr):
+    """sum_k x_k per group, in the GEMV's 2^-53 units, zero for groups past the end."""
+    xg = tl.load(x_row + gs_in[:, None] * GROUP + tl.arange(0, GROUP)[None, :]).to(tl.float32)
+    return tl.where(g_ok, tl.sum(xg, axis=1), 0.0) * _SUM_UNIT
 
 
 @triton.jit
@@ -114,37 +145,44 @@ def _w4a16_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if GEMV:
-        # One activation row per program (a small batch's rows run side by side: the row is the fastest grid
-        # axis, so they read each weight tile from L2 after the first). Per group g and column n:
+        # BLOCK_M (1-4) activation rows per program share each extracted code; a larger batch takes several
+        # programs per weight tile, launched together (the row block is the fastest grid axis) so all but the
+        # first read the tile from L2. Per row, group g and column n:
         #   sum_k x_k (code_k s + m) = s * sum_k x_k code_k + m * sum_k x_k,
         # scaled once per group. A step holds G whole groups, read as GROUP // 8 (G, BLOCK_N) word tiles (word
-        # q of every group) of one layout, so their dot products add elementwise (no reshape).
+        # q of every group) of one layout, so their dot products add elementwise (no reshape). The rows are
+        # separate 2-D accumulators (a row axis would give Triton a 3-D layout that converts every code).
         # A code is never shifted out or converted: nibble p < 6 of a word, ANDed in place and read as a
         # float32, is the subnormal code * 16^p * 2^-149 (exact), and the activation is prescaled by the power
         # of two 2^(96 - 4p), so one AND and one FMA add code * x * 2^-53 (nibbles 6, 7: the word >> 16).
         # bf16 activations are widened and prescaled in one integer op (bits << 16 plus 96 - 4p in the
-        # exponent), with a running sum per p; a zero then becomes a tiny power of two whose products and sums
-        # underflow to exactly zero. Float32-exact for 2^-73 <= |x| < 2^31; needs denormals kept (Triton emits
-        # fma.rn.f32, not .ftz). About 3 SASS instructions per weight on sm_90 (5 for shift/extract/convert).
+        # exponent); a zero then becomes a tiny power of two whose products underflow to exactly zero.
+        # Float32-exact for 2^-73 <= |x| < 2^31; needs denormals kept (Triton emits fma.rn.f32, not .ftz).
+        # About 3 SASS instructions per weight on sm_90 for one row (5 for shift/extract/convert); each
+        # further row adds an FMA per weight and its activation work.
+        # Rows past M read row M - 1 (unmasked loads; their results are never stored).
+        tl.static_assert(BLOCK_M <= 4, "the GEMV takes up to 4 rows per program")
         G: tl.constexpr = BLOCK_K // GROUP
-        X_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
-        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        x_row0 = x_ptr + tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * stride_xm
+        x_row1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
+        x_row2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
+        x_row3 = x_ptr + tl.minimum(pid_m * BLOCK_M + 3, M - 1).to(tl.int64) * stride_xm
         offs_g = tl.arange(0, G)
+        acc0 = tl.zeros([G, BLOCK_N], tl.float32)
+        acc1 = tl.zeros([G, BLOCK_N], tl.float32)
         acc2 = tl.zeros([G, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([G, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             gs = k0 // GROUP + offs_g
             g_ok = gs < k_hi // GROUP
             gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
             mask_g = g_ok[:, None] & n_mask[None, :]
-            sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0)
-            mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0)
-            x_sum = tl.zeros([G], tl.float32)
-            xs0 = tl.zeros([G], tl.float32)
-            xs1 = tl.zeros([G], tl.float32)
-            xs2 = tl.zeros([G], tl.float32)
-            xs3 = tl.zeros([G], tl.float32)
-            xs4 = tl.zeros([G], tl.float32)
-            xs5 = tl.zeros([G], tl.float32)
+            sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
+            dot0 = tl.zeros([G, BLOCK_N], tl.float32)
+            dot1 = tl.zeros([G, BLOCK_N], tl.float32)
+            dot2 = tl.zeros([G, BLOCK_N], tl.float32)
+            dot3 = tl.zeros([G, BLOCK_N], tl.float32)
             for q in tl.static_range(GROUP // 8):
                 words = gs * (GROUP // 8) + q
                 packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_g,
@@ -156,37 +194,30 @@ def _w4a16_kernel(
                         code = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
                     else:
                         code = (high & (0xF << (4 * (j - 4)))).to(tl.float32, bitcast=True)
-                    if X_BF16:
-                        # Unmasked (clamped rows): a masked load costs two more instructions per value.
-                        xb = tl.load(x_row + gs_in * GROUP + 8 * q + j).to(tl.int16, bitcast=True).to(tl.int32)
-                        xp = ((xb << 16) + _X_EXP[j - 4 * (j // 6)]).to(tl.float32, bitcast=True)
-                        if j - 4 * (j // 6) == 0:
-                            xs0 += xp
-                        elif j - 4 * (j // 6) == 1:
-                            xs1 += xp
-                        elif j - 4 * (j // 6) == 2:
-                            xs2 += xp
-                        elif j - 4 * (j // 6) == 3:
-                            xs3 += xp
-                        elif j - 4 * (j // 6) == 4:
-                            xs4 += xp
-                        else:
-                            xs5 += xp
-                    else:
-                        xj = tl.load(x_row + gs * GROUP + 8 * q + j, mask=g_ok, other=0.0).to(tl.float32)
-                        x_sum += xj
-                        xp = xj * _X_SCALE[j - 4 * (j // 6)]
-                    if q == 0 and j == 0:
-                        dot_codes = code * xp[:, None]
-                    else:
-                        dot_codes += code * xp[:, None]
-            if X_BF16:
-                x_sum = (xs0 * _XS_UNIT[0] + xs1 * _XS_UNIT[1] + xs2 * _XS_UNIT[2] + xs3 * _XS_UNIT[3]
-                         + xs4 * _XS_UNIT[4] + xs5 * _XS_UNIT[5])
-            else:
-                x_sum = x_sum * _SUM_UNIT
-            acc2 += sc.to(tl.float32) * dot_codes + mn.to(tl.float32) * x_sum[:, None]
-        acc = tl.sum(acc2, axis=0)[None, :] * _INV_SUM_UNIT
+                    k_in, k_at = gs_in * GROUP + 8 * q + j, gs * GROUP + 8 * q + j
+                    dot0 += code * _x_prescaled(x_row0, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+                    if BLOCK_M > 1:
+                        dot1 += code * _x_prescaled(x_row1, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+                    if BLOCK_M > 2:
+                        dot2 += code * _x_prescaled(x_row2, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+                    if BLOCK_M > 3:
+                        dot3 += code * _x_prescaled(x_row3, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+            acc0 += sc * dot0 + mn * _group_sums(x_row0, gs_in, g_ok, GROUP)[:, None]
+            if BLOCK_M > 1:
+                acc1 += sc * dot1 + mn * _group_sums(x_row1, gs_in, g_ok, GROUP)[:, None]
+            if BLOCK_M > 2:
+                acc2 += sc * dot2 + mn * _group_sums(x_row2, gs_in, g_ok, GROUP)[:, None]
+            if BLOCK_M > 3:
+                acc3 += sc * dot3 + mn * _group_sums(x_row3, gs_in, g_ok, GROUP)[:, None]
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
+        if BLOCK_M > 1:
+            acc = tl.where(rows == 1, tl.sum(acc1, axis=0)[None, :], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(rows == 2, tl.sum(acc2, axis=0)[None, :], acc)
+        if BLOCK_M > 3:
+            acc = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], acc)
+        acc = acc * _INV_SUM_UNIT
     else:
         # Tensor-core tiles, one dot per group: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
         # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
@@ -285,12 +316,13 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     n = w.out_features
     cfg = config or default_config(m, n, k, w.group_size)
     assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
+    assert not cfg.gemv or cfg.block_m in (1, 2, 4), f"a GEMV program takes 1, 2 or 4 rows, not {cfg.block_m}"
     # Whole groups per step (check_weight: a group is whole words); the GEMV's step a power of two of them.
     assert cfg.block_k % w.group_size == 0, f"block_k {cfg.block_k} is not whole groups of {w.group_size}"
     groups = cfg.block_k // w.group_size
     assert not cfg.gemv or groups & (groups - 1) == 0, (
         f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
-    block_m = 1 if cfg.gemv else cfg.block_m
+    block_m = cfg.block_m
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

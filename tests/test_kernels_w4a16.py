@@ -3,6 +3,8 @@
 On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing ``kernels``).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -35,7 +37,8 @@ def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
     gen = torch.Generator().manual_seed(m * n + k)
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
     x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
-    out = w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=64, split_k=split_k, gemv=gemv))
+    cfg = W4A16Config(block_m=1 if gemv else 16, block_n=32, block_k=64, split_k=split_k, gemv=gemv)
+    out = w4a16_matmul(x, w, cfg)
     ref = w4a16_reference(x, w)
     assert out.dtype == dtype and out.shape == (m, n)
     assert _rel_err(out, ref) <= tol
@@ -45,8 +48,37 @@ def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_m", [2, 4])
+@pytest.mark.parametrize("m,split_k", [(3, 1), (5, 3)])
+def test_gemv_rows_per_program(dtype, block_m, m, split_k):
+    """Several rows per GEMV program share each code: every row, including a last block's clamped rows (never
+    stored), equals its own single-row result; a row swapped with another is caught."""
+    n, k = 40, 32 * 7
+    w = random_weight(n, k, device=DEVICE, seed=m)
+    gen = torch.Generator().manual_seed(m + block_m)
+    x = (torch.randn((m, k), generator=gen) * torch.logspace(-2, 2, m)[:, None]).to(dtype).to(DEVICE)
+    cfg = W4A16Config(block_m=block_m, block_n=32, block_k=128, split_k=split_k, gemv=True)
+    out = w4a16_matmul(x, w, cfg)
+    one = torch.cat([w4a16_matmul(x[i:i + 1], w, dataclasses.replace(cfg, block_m=1)) for i in range(m)])
+    assert out.shape == (m, n)
+    assert torch.equal(out, one)
+    ref = w4a16_reference(x, w)
+    for i in range(m):  # per row: the rows' magnitudes span 1e-2 .. 1e2
+        assert _rel_err(out[i], ref[i]) <= (1e-5 if dtype == torch.float32 else 8e-3)
+    # Negative control: rows 0 and 1 exchanged are far from their results.
+    assert _rel_err(out[1], ref[0]) > 0.1 and _rel_err(out[0], ref[1]) > 0.1
+
+
+def test_gemv_rows_per_program_refused():
+    w = random_weight(32, 64, device=DEVICE)
+    with pytest.raises(AssertionError, match="1, 2 or 4 rows"):
+        w4a16_matmul(torch.randn(3, 64).to(DEVICE), w, W4A16Config(block_m=3, block_n=32, block_k=64, gemv=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("magnitude", [1e-20, 1e-6, 1.0, 3e4, 1e8])
-def test_gemv_subnormal_codes_over_activation_range(magnitude, dtype):
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_gemv_subnormal_codes_over_activation_range(magnitude, dtype, block_m):
     """The GEMV reads codes as subnormal floats and prescales x by up to 2^96: float32-exact products for
     2^-73 <= |x| < 2^31 (1e-22 .. 2e9); rows mixing tiny and huge activations too."""
     w = random_weight(48, 512, device=DEVICE, seed=3)
@@ -54,7 +86,7 @@ def test_gemv_subnormal_codes_over_activation_range(magnitude, dtype):
     x = (torch.randn((2, 512), generator=gen) * magnitude).to(dtype).to(DEVICE)
     x[1, ::7] *= 1e-9  # a second row mixing scales
     x[1, 3::7] = 0.0
-    cfg = W4A16Config(block_n=16, block_k=128, split_k=2, gemv=True)
+    cfg = W4A16Config(block_m=block_m, block_n=16, block_k=128, split_k=2, gemv=True)
     out = w4a16_matmul(x, w, cfg)
     assert torch.isfinite(out).all()
     # bf16 output: one rounding (the interpreter truncates: up to 2^-8 per element).
