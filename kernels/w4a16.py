@@ -72,6 +72,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     if m <= 8 or group_size < 16:  # a tile's dot needs 16 inputs per group
         block_n = 32
         col_tiles = triton.cdiv(n, block_n)
+        # (m > 8 reaches here only with groups too small for the tiles: one row per program, as before.)
         if m == 1 or (m == 2 and col_tiles <= 128 and k <= 4096) or m > 8:
             block_m = 1
             if col_tiles >= 512:
@@ -322,11 +323,10 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     groups = cfg.block_k // w.group_size
     assert not cfg.gemv or groups & (groups - 1) == 0, (
         f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
-    block_m = cfg.block_m
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    num_m, num_n = triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n)
+    num_m, num_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     grid = (num_m, num_n, split_k) if cfg.gemv else (num_n, num_m, split_k)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -336,7 +336,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
-        GROUP=w.group_size, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
