@@ -276,12 +276,16 @@ def _w4a16_kernel(
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+"""Counter buffers replaced by larger ones. Kept alive: a CUDA graph captured earlier still uses them."""
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters kept per device; each kernel resets the ones it used."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf

@@ -9,7 +9,8 @@ a fraction of the roofline (weight bytes read per token over that bandwidth). Pr
     python scripts/bench_worker.py --model /tmp/llama8b --device cuda --dtype bfloat16 --backends torch,triton
 
 With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
-the model layers switched to the fused kernels or back with it, so the weights are loaded once.
+the model layers switched to the fused kernels or back with it, so the weights are loaded once. ``--graphs``
+times the triton backend a second time with its decode steps replayed from CUDA graphs (``triton+graphs``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def main() -> int:
     parser.add_argument(
         "--backends", default="", help="comma-separated attention backends to time (default: the runner's)"
     )
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time the triton backend with decode steps replayed from CUDA graphs")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -117,21 +120,28 @@ def main() -> int:
     need = max(batches) * -(-(args.prompt_len + args.steps + 1) // 16)
     t = time.perf_counter()
     backends = [b for b in args.backends.split(",") if b]
+    # With --graphs the runner starts on the triton backend, so that it builds its decode graphs.
     runner = ModelRunner(
         args.model,
         device=args.device,
         dtype=args.dtype,
         num_blocks=need,
-        attention_backend=backends[0] if backends else "",
+        attention_backend="triton" if args.graphs else backends[0] if backends else "",
+        cuda_graphs=args.graphs,
     )
+    graphs, runner.graphs = runner.graphs, None
     print(
         f"model {args.model or 'default (SmolLM2-135M GGUF)'}: {runner.args.family}, "
         f"{runner.device}/{runner.dtype}, loaded in {time.perf_counter() - t:.1f} s, "
         f"threads {torch.get_num_threads()}"
     )
     all_rates: dict[str, dict[int, float]] = {}
-    for name in backends or [runner.backend.name]:
-        runner.backend = get_backend(name, runner.device.type)
+    modes = backends or [runner.backend.name]
+    if graphs is not None:
+        modes = [m for m in modes if m != "triton+graphs"] + ["triton+graphs"]
+    for name in modes:
+        runner.backend = get_backend(name.removesuffix("+graphs"), runner.device.type)
+        runner.graphs = graphs if name.endswith("+graphs") else None
         use_fused_kernels(runner.model, runner.backend.fused_layers)
         rates = all_rates[name] = {}
         for b in batches:

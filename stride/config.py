@@ -201,6 +201,9 @@ class WorkerConfig:
     num_threads: int = 0
     """CPU threads of the worker's torch ops; 0 keeps torch's default (one per core). On a small shared
     machine 1 can be much faster: the other processes of the launch need a core too."""
+    cuda_graphs: bool = True
+    """Replay decode-only steps from CUDA graphs (CUDA with the Triton backend, dense models); False runs
+    every step eagerly (``--enforce-eager``)."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size")

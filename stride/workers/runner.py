@@ -16,11 +16,15 @@ import torch
 
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
+from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import use_fused_kernels
 
 log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 256
+"""Largest decode batch replayed from a CUDA graph; larger steps launch eagerly (and are not launch-bound)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +46,11 @@ class ModelRunner:
 
     ``num_blocks=None`` sizes the cache from the device memory measured free after loading (CUDA only,
     through the planner's formula); on CPU it must be given.
+
+    ``cuda_graphs``: decode-only steps of up to :data:`MAX_GRAPH_BATCH` sequences replay CUDA graphs
+    (:mod:`stride.workers.cuda_graphs`) with the Triton backend and a dense model (on CPU, the same padded
+    static-buffer step, uncaptured); the cache then holds one block past ``num_blocks`` for the graphs'
+    padding rows.
     """
 
     def __init__(
@@ -56,6 +65,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         memory_utilization: float = 0.9,
         attention_backend: str = "",
+        cuda_graphs: bool = True,
         progress: ProgressCallback | None = None,
     ) -> None:
         self.device, self.dtype = resolve_device_dtype(device, dtype)
@@ -72,11 +82,20 @@ class ModelRunner:
             num_blocks = num_blocks_for_memory(
                 self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs
             )
+            # The decode graphs' padding block comes out of the measured memory too.
+            num_blocks -= int(self._graphs_wanted(cuda_graphs))
             if num_blocks < 1:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
-        self.kv_cache = KVCache(self.args, num_blocks, block_size, self.device, self.dtype)
+        graphs = self._graphs_wanted(cuda_graphs)
+        # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
+        self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype)
         self.num_blocks = num_blocks
         use_fused_kernels(self.model, self.backend.fused_layers)
+        self.graphs = (
+            DecodeGraphs(self.model, self.kv_cache, self.backend, block_size, pad_block=num_blocks,
+                         max_batch=min(max_num_seqs, MAX_GRAPH_BATCH), capture=self.device.type == "cuda")
+            if graphs else None
+        )
         log.info(
             "model %s on %s/%s: %d KV blocks of %d tokens (%.2f GiB), attention %s",
             self.args.family,
@@ -108,8 +127,15 @@ class ModelRunner:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
             memory_utilization=worker.gpu_memory_utilization,
+            cuda_graphs=worker.cuda_graphs,
             progress=progress,
         )
+
+    def _graphs_wanted(self, enabled: bool) -> bool:
+        """Decode graphs need the Triton backend (the torch one reads lengths on the host) and a forward with
+        no host reads (not mixture-of-experts routing). Without CUDA (Triton's interpreter, tests) the same
+        static-buffer step runs uncaptured."""
+        return enabled and self.backend.name == "triton" and not self.args.num_experts
 
     @torch.inference_mode()
     def forward(
@@ -146,6 +172,10 @@ class ModelRunner:
         offsets = np.arange(len(pos_host)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         if len(pos_host) != q_lens.sum() or np.any(pos_host != np.repeat(ctx_lens - q_lens, q_lens) + offsets):
             raise ValueError("each sequence's positions must be the last query_len of its context_len")
+        width = _tensor(block_tables).shape[1]
+        decode_only = q_lens.max() == 1
+        if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
+            return self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
         tables = tables_host.to(self.device, torch.int32, non_blocking=True)
