@@ -1,4 +1,4 @@
-"""Small helpers shared by the kernel launchers (no Triton code here)."""
+"""Small helpers shared by the kernel launchers, and the few Triton helpers every kernel uses."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,3 +49,41 @@ def dot(a, b, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     if DOT_UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+_PDL_CAPABLE: dict[int, bool] = {}
+_PDL_ON = [False]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Allow or forbid (the default) PDL launches from now on; returns the previous setting. The worker turns
+    it on with ``STRIDE_PDL=1``; benchmarks time graphs both ways."""
+    previous, _PDL_ON[0] = _PDL_ON[0], enabled
+    return previous
+
+
+def pdl_args(t: torch.Tensor) -> dict[str, object]:
+    """Launch arguments for programmatic dependent launch (PDL). When allowed (:func:`set_pdl`), PDL is on while
+    a CUDA graph is being captured on a Hopper-or-later GPU: within a replayed graph each kernel is launched while
+    its predecessor is still finishing, and sits (after loading what no earlier kernel writes) in
+    :func:`pdl_wait` until the predecessor completed. Outside capture, or elsewhere, nothing: plain stream order.
+
+    Only inside graphs because there the kernel before is always one of the forward's own, which never
+    writes weights: the GEMV loads its first weights before it waits (``kernels/w4a16.py``).
+    """
+    if not _PDL_ON[0] or not t.is_cuda or interpreting() or not torch.cuda.is_current_stream_capturing():
+        return {}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_CAPABLE:
+        _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return {"PDL": True, "launch_pdl": True} if _PDL_CAPABLE[index] else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before has completed and its writes are visible, then let the kernel
+    after launch. Every program of a PDL kernel must pass here before it reads or writes anything an earlier
+    kernel touches, and before it exits (so a kernel's completion implies its predecessor's)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

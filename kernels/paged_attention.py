@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, dot, dot_args, next_pow2
+from kernels._util import check_float, dot, dot_args, next_pow2, pdl_args, pdl_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -99,8 +99,9 @@ def _decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)  # first: every program waits, even one with nothing to do
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -157,8 +158,9 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr,
     num_heads, num_splits, partition, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ctx = tl.load(ctx_ptr + seq)
@@ -248,13 +250,13 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=_split_p(q.dtype),
-        **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, context_lens, num_heads, num_splits, cfg.partition,
             out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
-            num_warps=4,
+            num_warps=4, **pdl_args(q),
         )
     return out
 

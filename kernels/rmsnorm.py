@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous, next_pow2
+from kernels._util import check_float, check_last_contiguous, next_pow2, pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,12 @@ def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, h_ptr,
     num_rows, hidden, eps,
     stride_x, stride_res, stride_out, stride_h,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     offs = tl.arange(0, BLOCK)
     col_mask = offs < hidden
-    w = tl.load(w_ptr + offs, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=col_mask, other=0.0).to(tl.float32)  # a weight: before the PDL wait
+    pdl_wait(PDL)
     for i in range(ROWS):
         row = tl.program_id(0) * ROWS + i
         if row < num_rows:
@@ -81,7 +82,7 @@ def rmsnorm(
         x, res, weight, out, h, num_rows, hidden, eps,
         x.stride(0), res.stride(0), out.stride(0), h.stride(0),
         HAS_RESIDUAL=residual is not None, ROWS=cfg.rows_per_program, BLOCK=next_pow2(hidden),
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl_args(x),
     )
     return out, h
 

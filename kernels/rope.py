@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, next_pow2
+from kernels._util import check_float, next_pow2, pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,9 @@ def _rope_kernel(
     num_q_heads, num_k_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, second_half,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BY_POSITION: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     if BY_POSITION:
         row = tl.load(pos_ptr + tok).to(tl.int64)
@@ -145,7 +147,7 @@ def _launch(
         q, k, positions if positions is not None else q, cos, sin, num_q_heads, k.shape[1], head_dim // 2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), second_half,
         BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
-        ROUND_PRODUCTS=round_products, num_warps=4, enable_fp_fusion=False,
+        ROUND_PRODUCTS=round_products, num_warps=4, enable_fp_fusion=False, **pdl_args(q),
     )
 
 

@@ -8,11 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous
+from kernels._util import check_float, check_last_contiguous, pdl_args, pdl_wait
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -43,7 +44,8 @@ def silu_mul(x: torch.Tensor, config: SiluMulConfig | None = None) -> torch.Tens
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(inter, cfg.block))
-    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=cfg.block, num_warps=cfg.num_warps,
+                                **pdl_args(x))
     return out
 
 

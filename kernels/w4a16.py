@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2
+from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2, pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -125,12 +125,88 @@ def _group_sums(x_row, gs_in, g_ok, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(
+    x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
+    stride_qk, stride_sg, acc0, acc1, acc2, acc3,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr,
+):
+    """One K step of the GEMV (see the kernel): G groups from input k0, added into the rows' accumulators.
+    ``WAIT``: the step of a PDL launch that waits for the kernel before, once its weights are loaded (up to
+    four words per group are held; with more, the wait comes before the words)."""
+    gs = k0 // GROUP + offs_g
+    g_ok = gs < k_hi // GROUP
+    gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
+    mask_g = g_ok[:, None] & n_mask[None, :]
+    sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
+    W: tl.constexpr = GROUP // 8  # words per group
+    STAGED: tl.constexpr = W <= 4
+    if STAGED:
+        p0 = _word_tile(qw_ptr, gs, 0, W, stride_qk, offs_n, mask_g)
+        p1, p2, p3 = p0, p0, p0
+        if W > 1:
+            p1 = _word_tile(qw_ptr, gs, 1, W, stride_qk, offs_n, mask_g)
+        if W > 2:
+            p2 = _word_tile(qw_ptr, gs, 2, W, stride_qk, offs_n, mask_g)
+        if W > 3:
+            p3 = _word_tile(qw_ptr, gs, 3, W, stride_qk, offs_n, mask_g)
+    if WAIT:
+        pdl_wait(WAIT)  # activations only after this
+    dot0 = tl.zeros_like(sc)
+    dot1 = tl.zeros_like(sc)
+    dot2 = tl.zeros_like(sc)
+    dot3 = tl.zeros_like(sc)
+    for q in tl.static_range(W):
+        if not STAGED:
+            packed = _word_tile(qw_ptr, gs, q, W, stride_qk, offs_n, mask_g)
+        elif q == 0:
+            packed = p0
+        elif q == 1:
+            packed = p1
+        elif q == 2:
+            packed = p2
+        else:
+            packed = p3
+        high = packed >> 16
+        for j in tl.static_range(8):
+            # p = j - 4 * (j // 6): nibbles 0-5 in place, 6 and 7 as p = 2, 3 of the high half.
+            if j < 6:
+                code = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+            else:
+                code = (high & (0xF << (4 * (j - 4)))).to(tl.float32, bitcast=True)
+            k_in, k_at = gs_in * GROUP + 8 * q + j, gs * GROUP + 8 * q + j
+            dot0 += code * _x_prescaled(x_row0, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+            if BLOCK_M > 1:
+                dot1 += code * _x_prescaled(x_row1, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+            if BLOCK_M > 2:
+                dot2 += code * _x_prescaled(x_row2, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+            if BLOCK_M > 3:
+                dot3 += code * _x_prescaled(x_row3, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
+    acc0 += sc * dot0 + mn * _group_sums(x_row0, gs_in, g_ok, GROUP)[:, None]
+    if BLOCK_M > 1:
+        acc1 += sc * dot1 + mn * _group_sums(x_row1, gs_in, g_ok, GROUP)[:, None]
+    if BLOCK_M > 2:
+        acc2 += sc * dot2 + mn * _group_sums(x_row2, gs_in, g_ok, GROUP)[:, None]
+    if BLOCK_M > 3:
+        acc3 += sc * dot3 + mn * _group_sums(x_row3, gs_in, g_ok, GROUP)[:, None]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _word_tile(qw_ptr, gs, q: tl.constexpr, W: tl.constexpr, stride_qk, offs_n, mask_g):
+    """Word q of each group in ``gs``, for the step's columns: a (G, BLOCK_N) int32 tile."""
+    words = gs * W + q
+    return tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_g, other=0)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, sc_ptr, mn_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     if GEMV:
         pid_m = tl.program_id(0)  # rows fastest: the rows of one weight tile are launched together
@@ -173,43 +249,15 @@ def _w4a16_kernel(
         acc1 = tl.zeros([G, BLOCK_N], tl.float32)
         acc2 = tl.zeros([G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            gs = k0 // GROUP + offs_g
-            g_ok = gs < k_hi // GROUP
-            gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
-            mask_g = g_ok[:, None] & n_mask[None, :]
-            sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
-            dot0 = tl.zeros([G, BLOCK_N], tl.float32)
-            dot1 = tl.zeros([G, BLOCK_N], tl.float32)
-            dot2 = tl.zeros([G, BLOCK_N], tl.float32)
-            dot3 = tl.zeros([G, BLOCK_N], tl.float32)
-            for q in tl.static_range(GROUP // 8):
-                words = gs * (GROUP // 8) + q
-                packed = tl.load(qw_ptr + words[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask_g,
-                                 other=0)
-                high = packed >> 16
-                for j in tl.static_range(8):
-                    # p = j - 4 * (j // 6): nibbles 0-5 in place, 6 and 7 as p = 2, 3 of the high half.
-                    if j < 6:
-                        code = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
-                    else:
-                        code = (high & (0xF << (4 * (j - 4)))).to(tl.float32, bitcast=True)
-                    k_in, k_at = gs_in * GROUP + 8 * q + j, gs * GROUP + 8 * q + j
-                    dot0 += code * _x_prescaled(x_row0, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
-                    if BLOCK_M > 1:
-                        dot1 += code * _x_prescaled(x_row1, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
-                    if BLOCK_M > 2:
-                        dot2 += code * _x_prescaled(x_row2, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
-                    if BLOCK_M > 3:
-                        dot3 += code * _x_prescaled(x_row3, k_in, k_at, g_ok, j - 4 * (j // 6))[:, None]
-            acc0 += sc * dot0 + mn * _group_sums(x_row0, gs_in, g_ok, GROUP)[:, None]
-            if BLOCK_M > 1:
-                acc1 += sc * dot1 + mn * _group_sums(x_row1, gs_in, g_ok, GROUP)[:, None]
-            if BLOCK_M > 2:
-                acc2 += sc * dot2 + mn * _group_sums(x_row2, gs_in, g_ok, GROUP)[:, None]
-            if BLOCK_M > 3:
-                acc3 += sc * dot3 + mn * _group_sums(x_row3, gs_in, g_ok, GROUP)[:, None]
+        # The first step alone: with PDL its weights are loaded before the wait (no kernel of a forward writes
+        # weights), so they are in flight while the kernel before finishes. Every later step in the loop.
+        acc0, acc1, acc2, acc3 = _gemv_step(
+            x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
+            stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, PDL)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, False)
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
         if BLOCK_M > 1:
@@ -219,6 +267,7 @@ def _w4a16_kernel(
         if BLOCK_M > 3:
             acc = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], acc)
         acc = acc * _INV_SUM_UNIT
+        pdl_wait(PDL)  # again (returns at once): nothing below may run before the kernel before completed
     else:
         # Tensor-core tiles, one dot per group: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
         # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
@@ -229,6 +278,7 @@ def _w4a16_kernel(
         # bits 0x4300 | c are the bfloat16 128 + c, 0x6400 | c the float16 1024 + c; the offset's share,
         # OFFSET * s * sum_k x_k, comes off with the mins. A step of BLOCK_K inputs unrolls BLOCK_K // GROUP
         # groups; groups past the split's end load as zeros.
+        pdl_wait(PDL)
         X_TY: tl.constexpr = x_ptr.dtype.element_ty
         MAGIC: tl.constexpr = 0x4300 if X_TY == tl.bfloat16 else 0x6400
         OFFSET: tl.constexpr = 0.0 if X_TY == tl.float32 else (128.0 if X_TY == tl.bfloat16 else 1024.0)
@@ -342,7 +392,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
     )
     return out
 

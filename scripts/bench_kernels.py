@@ -29,6 +29,7 @@ from kernels import autotune_specs as specs
 from kernels import paged_attention as pa
 from kernels import rmsnorm as rn
 from kernels import w4a16 as wq
+from kernels._util import set_pdl
 from kernels.silu_mul import silu_mul
 
 CUDA = torch.device("cuda")
@@ -175,21 +176,24 @@ def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Te
     return wq.w4a16_matmul(x, w, cfg)
 
 
-def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
+def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
+                batches: tuple[int, ...] = (1, 16, 2, 4, 8)) -> None:
     """W4A16 against bf16 ``F.linear`` at decode shapes, both timed as CUDA-graph replays (as the worker runs
-    decode) and as plain launches. M=1 and M=16 are autotuned through the gate (the chosen configs land in
-    the cache); M=2, 4, 8 take the faster of those two choices and the launcher's default."""
+    decode) and as plain launches; W4A16 in graphs both with and without programmatic dependent launch (the
+    graph's calls then overlap, as the worker's kernels do; cuBLAS launches plainly either way). M=1 and M=16
+    are autotuned through the gate (the chosen configs land in the cache); M=2, 4, 8 take the faster of those
+    two choices and the launcher's default (chosen without PDL)."""
     rows = []
     print("\nW4A16 GEMM (group 32, fp16 scales+mins, 0.625 B/weight) vs bf16 F.linear, Llama-3.1-8B projections")
-    print(f"{'proj':>8} {'M':>3} {'bf16 g':>7} {'w4 g':>7} {'x g':>6} {'bf16':>7} {'w4':>7} {'x':>6} "
-          f"{'w4 TB/s':>7}  config (graph timings in us)")
+    print(f"{'proj':>8} {'M':>3} {'bf16 g':>7} {'w4 g':>7} {'x g':>6} {'w4 pdl':>7} {'x pdl':>6} {'bf16':>7} "
+          f"{'w4':>7} {'x':>6} {'w4 TB/s':>7}  config (graph timings in us; pdl: W4A16 calls chained by PDL)")
     for name, (n, k) in GEMM_SHAPES.items():
         w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
         ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
         wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
                      n * k * 2, rotate_bytes)
         tuned: dict[int, wq.W4A16Config] = {}
-        for m in (1, 16, 2, 4, 8):
+        for m in batches:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
             if tune and m in (1, 16):
                 problems = [{"x": x, "w": w} for w in ws]
@@ -199,21 +203,29 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
             options = {wq.default_config(m, n, k), *tuned.values()}
             timed = sorted((graph_over(partial(_w4_run, x, c), ws), i, c) for i, c in enumerate(options))
             w4_g, _, cfg = timed[0]
+            set_pdl(True)
+            w4_pdl = graph_over(partial(_w4_run, x, cfg), ws)
+            set_pdl(False)
             bf_g = graph_over(partial(F.linear, x), wbf)
             bf, w4 = bench_over(partial(F.linear, x), wbf), bench_over(partial(_w4_run, x, cfg), ws)
             row = {"proj": name, "n": n, "k": k, "m": m, "bf16_graph_ms": bf_g, "w4_graph_ms": w4_g,
-                   "speedup_graph": bf_g / w4_g, "bf16_ms": bf, "w4_ms": w4, "speedup": bf / w4,
+                   "speedup_graph": bf_g / w4_g, "w4_graph_pdl_ms": w4_pdl, "speedup_graph_pdl": bf_g / w4_pdl,
+                   "bf16_ms": bf, "w4_ms": w4, "speedup": bf / w4,
                    "w4_tb_s": w4_bytes / w4_g / 1e9, "config": dataclasses.asdict(cfg)}
             rows.append(row)
-            print(f"{name:>8} {m:>3} {bf_g * 1e3:>7.1f} {w4_g * 1e3:>7.1f} {bf_g / w4_g:>5.2f}x {bf * 1e3:>7.1f} "
+            print(f"{name:>8} {m:>3} {bf_g * 1e3:>7.1f} {w4_g * 1e3:>7.1f} {bf_g / w4_g:>5.2f}x "
+                  f"{w4_pdl * 1e3:>7.1f} {bf_g / w4_pdl:>5.2f}x {bf * 1e3:>7.1f} "
                   f"{w4 * 1e3:>7.1f} {bf / w4:>5.2f}x {row['w4_tb_s']:>7.2f}  {'gemv' if cfg.gemv else 'tile'} "
                   f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} w{cfg.num_warps} "
                   f"st{cfg.num_stages}")
-    for m in (1, 2, 4, 8, 16):
+    for m in sorted(batches):
         per_m = [r for r in rows if r["m"] == m]
         total = sum(r["bf16_graph_ms"] for r in per_m) / sum(r["w4_graph_ms"] for r in per_m)
+        pdl = sum(r["bf16_graph_ms"] for r in per_m) / sum(r["w4_graph_pdl_ms"] for r in per_m)
         results[f"w4a16_layer_speedup_graph_m{m}"] = total
-        print(f"one layer's four projections at M={m} (graphs): {total:.2f}x faster than bf16")
+        results[f"w4a16_layer_speedup_graph_pdl_m{m}"] = pdl
+        print(f"one layer's four projections at M={m} (graphs): {total:.2f}x faster than bf16, "
+              f"{pdl:.2f}x with PDL")
     results["w4a16"] = rows
 
 
@@ -256,6 +268,7 @@ def main() -> int:
     parser.add_argument("--rotate-mb", type=int, default=512)
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
     parser.add_argument("--decode-wide", action="store_true", help="tune over block_n 128 and 8 warps too")
+    parser.add_argument("--w4a16-m", default="1,16,2,4,8", help="W4A16 batch rows to time")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels.py needs a CUDA GPU"
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -266,7 +279,8 @@ def main() -> int:
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
-             "extend": bench_extend, "w4a16": bench_w4a16, "rows": bench_rows_kernel}
+             "extend": bench_extend, "rows": bench_rows_kernel,
+             "w4a16": partial(bench_w4a16, batches=tuple(int(m) for m in args.w4a16_m.split(",")))}
     for part in args.parts.split(","):
         t0 = time.time()
         parts[part](results, cache, rotate, not args.no_tune)

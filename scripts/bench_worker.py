@@ -10,7 +10,8 @@ a fraction of the roofline (weight bytes read per token over that bandwidth). Pr
 
 With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
 the model layers switched to the fused kernels or back with it, so the weights are loaded once. ``--graphs``
-times the triton backend a second time with its decode steps replayed from CUDA graphs (``triton+graphs``).
+times the triton backend again with its decode steps replayed from CUDA graphs (``triton+graphs``), and once
+more with graphs captured with programmatic dependent launch (``triton+graphs+pdl``, STRIDE_PDL=1).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import time
 import numpy as np
 import torch
 
+from kernels._util import set_pdl
 from stride.workers.attention import get_backend
+from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.models.layers import use_fused_kernels
 from stride.workers.runner import ModelRunner
 
@@ -45,12 +48,17 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) 
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of parameters one decode token reads (tied tensors once; MoE: the routed share of experts).
+    """Bytes of weights one decode token reads, packed 4-bit ones included (tied tensors once; MoE: the routed
+    share of experts).
 
     An untied embedding table is left out: a token reads one row of it, not the table."""
     seen: dict[int, int] = {}
     expert = 0
-    for name, p in runner.model.named_parameters():
+    # 4-bit projections hold their packed weights as buffers (W4A16Linear); inv_freq is not a weight.
+    tensors = list(runner.model.named_parameters()) + [
+        (name, b) for name, b in runner.model.named_buffers() if not name.endswith("inv_freq")
+    ]
+    for name, p in tensors:
         if name.startswith("embed_tokens.") and not runner.args.tie_word_embeddings:
             continue
         seen[p.data_ptr()] = p.numel() * p.element_size()
@@ -138,10 +146,14 @@ def main() -> int:
     all_rates: dict[str, dict[int, float]] = {}
     modes = backends or [runner.backend.name]
     if graphs is not None:
-        modes = [m for m in modes if m != "triton+graphs"] + ["triton+graphs"]
+        modes = [m for m in modes if "+graphs" not in m] + ["triton+graphs", "triton+graphs+pdl"]
     for name in modes:
-        runner.backend = get_backend(name.removesuffix("+graphs"), runner.device.type)
-        runner.graphs = graphs if name.endswith("+graphs") else None
+        runner.backend = get_backend(name.split("+")[0], runner.device.type)
+        if name == "triton+graphs+pdl" and graphs is not None:  # new graphs, captured with PDL allowed
+            set_pdl(True)
+            graphs = DecodeGraphs(runner.model, runner.kv_cache, runner.backend, runner.block_size,
+                                  graphs.pad_block, graphs.max_batch)
+        runner.graphs = graphs if "+graphs" in name else None
         use_fused_kernels(runner.model, runner.backend.fused_layers)
         rates = all_rates[name] = {}
         for b in batches:

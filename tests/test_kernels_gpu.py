@@ -98,3 +98,59 @@ def test_gate_rejects_broken_variants_when_compiled():
     assert gate(W4A16, W4A16.candidate(W4A16Config(block_k=64, split_k=2)), gshape, CUDA).ok
     assert not gate(W4A16, broken_dropped_scale(W4A16Config(block_k=64, split_k=2)), gshape, CUDA).ok
     assert not gate(W4A16, broken_dropped_scale(), dataclasses.replace(gshape, m=1), CUDA).ok
+
+
+def test_pdl_chain_in_a_graph_equals_eager():
+    """A dependent chain of every PDL kernel (RMSNorm+residual, the W4A16 GEMV with and without split-K, SiLU-mul,
+    RoPE in place, split decode attention and its reduction), captured in a CUDA graph with programmatic
+    dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each kernel reads what
+    the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten memory."""
+    from kernels._util import pdl_args, set_pdl
+    from kernels.rope import apply_rope_cos_sin
+    from kernels.silu_mul import silu_mul
+
+    torch.manual_seed(0)
+    batch, k, inter = 4, HEADS * HEAD_DIM, 2048
+    p = _problem([900, 1, 333, 1200], [1] * batch, torch.bfloat16, seed=3)
+    w_up = random_weight(2 * inter, k, device=CUDA, scale_dtype=torch.bfloat16, seed=1)
+    w_down = random_weight(k, inter, device=CUDA, scale_dtype=torch.bfloat16, seed=2)
+    norm_w = torch.rand(k, device=CUDA, dtype=torch.bfloat16) + 0.5
+    cos, sin = torch.rand(2, batch, HEAD_DIM, device=CUDA, dtype=torch.bfloat16)
+    gemv = W4A16Config(block_m=2, block_n=32, block_k=256, split_k=1, num_warps=4, gemv=True)
+    gemv_split = dataclasses.replace(gemv, split_k=4)
+    decode = pa.DecodeConfig(64, 256)
+    x = torch.randn(batch, k, device=CUDA, dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    seen: list[dict] = []
+
+    def chain() -> torch.Tensor:
+        h, r = x, res
+        for _ in range(3):
+            seen.append(pdl_args(h))
+            normed, r = rmsnorm(h, norm_w, 1e-5, r)
+            up = silu_mul(w4a16_matmul(normed, w_up, gemv))
+            q = w4a16_matmul(up, w_down, gemv_split).view(batch, HEADS, HEAD_DIM)
+            kk = q[:, :KV_HEADS].clone()
+            apply_rope_cos_sin(q, kk, cos, sin)
+            h = pa.paged_decode(q, p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], 0.1, 1200,
+                                config=decode).view(batch, k) + kk.mean()
+        return h
+
+    want = chain()
+    assert seen[-1] == {}  # eager launches are plain
+    graph = torch.cuda.CUDAGraph()
+    was = set_pdl(True)
+    try:
+        with torch.cuda.graph(graph):
+            out = chain()
+    finally:
+        set_pdl(was)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert seen[-1] == {"PDL": True, "launch_pdl": True}  # the capture used PDL
+    for trial in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {trial}"
+        x.copy_(torch.randn_like(x))
+        want = chain()
+        assert not torch.equal(out, want)  # the inputs changed: the old output is not the new answer

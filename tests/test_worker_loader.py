@@ -167,3 +167,17 @@ def test_progress_callback_and_tied_embeddings(hf_dir: Path, tmp_path: Path) -> 
     assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == len(weights) - 1
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     assert torch.equal(model.lm_head.weight, weights["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_random_gguf_quantiser_matches_gguf(qtype: str) -> None:
+    # scripts/make_random_gguf.py quantises in torch (on the GPU there); its blocks must be gguf-py's bytes.
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(2)) * 0.02
+    w[3, :32] = 0.0  # a constant block (zero scale)
+    want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+    got = make["quantise_q4"](w, qtype)
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.array_equal(got, want)
+    # Negative control: codes rounded down instead of to nearest are other bytes.
+    assert not np.array_equal(make["quantise_q4"](w - 0.3 * w.abs().amax() / 15, qtype), want)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stride import env
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
@@ -91,6 +92,10 @@ class ModelRunner:
         self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype)
         self.num_blocks = num_blocks
         use_fused_kernels(self.model, self.backend.fused_layers)
+        if graphs and self.device.type == "cuda" and env.PDL.get_bool():
+            from kernels._util import set_pdl  # loaded with the triton backend already
+
+            set_pdl(True)
         self.graphs = (
             DecodeGraphs(self.model, self.kv_cache, self.backend, block_size, pad_block=num_blocks,
                          max_batch=min(max_num_seqs, MAX_GRAPH_BATCH), capture=self.device.type == "cuda")
