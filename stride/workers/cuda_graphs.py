@@ -22,6 +22,10 @@ The inputs reach the device through pinned host buffers (two copies per step); a
 again only after the copy out of it finished. The logits returned are a copy: the graph's own output is
 overwritten by the next replay.
 
+Memory: the graphs' buffers (one (max_batch, vocab) float32 logits buffer that every graph writes into, each
+graph's small inputs, one pool of intermediates shared by all graphs) come out of the share of the device that
+``gpu_memory_utilization`` leaves free: the KV cache is sized before any graph exists.
+
 ``capture=False`` runs the same static-buffer forward eagerly instead of replaying a graph (CPU tests:
 the padding, bucketing and metadata are then checked through Triton's interpreter).
 """
@@ -66,7 +70,7 @@ class _Graph:
     host_ints: torch.Tensor
     host_tables: torch.Tensor
     logits: torch.Tensor
-    """(batch, vocab) float32, shared by the graphs of one batch bucket."""
+    """(batch, vocab) float32: the first rows of one buffer every graph writes into (one step at a time)."""
     graph: torch.cuda.CUDAGraph | None = None
     copied: torch.cuda.Event | None = None
     replays: int = 0
@@ -97,7 +101,7 @@ class DecodeGraphs:
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None
 
     @property
     def num_graphs(self) -> int:
@@ -152,11 +156,11 @@ class DecodeGraphs:
         host_ints = torch.zeros((3, batch), dtype=torch.int64, pin_memory=pinned)
         host_ints[2] = 1
         host_tables = torch.full((batch, columns), self.pad_block, dtype=torch.int32, pin_memory=pinned)
-        if batch not in self._logits:
+        if self._logits is None:  # (max_batch, vocab), not one per graph: 131 MB at 256 x 128k
             vocab = self.model.args.vocab_size
-            self._logits[batch] = torch.empty((batch, vocab), dtype=torch.float32, device=self.device)
+            self._logits = torch.empty((self.max_batch, vocab), dtype=torch.float32, device=self.device)
         g = _Graph(batch, columns, host_ints.to(self.device), host_tables.to(self.device), host_ints, host_tables,
-                   self._logits[batch])
+                   self._logits[:batch])
         if not self.capture:
             return g
         # Eagerly first, with every row padding: compiles the kernels, loads their configs and allocates what
