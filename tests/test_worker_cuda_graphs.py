@@ -157,3 +157,16 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
         assert max((g - e).abs().max().item() for g, e in zip(logits[True][1:], logits[False], strict=False)) > 1e-2
     assert graphed.graphs.num_graphs == 6  # buckets 1, 4, 8 x contexts 256, 512
     assert all(g.graph is not None and g.replays > 0 for g in graphed.graphs._graphs.values())
+
+
+def test_enforce_eager_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import argparse
+
+    from stride.launcher import add_arguments, config_from_args
+
+    monkeypatch.setenv("STRIDE_RUNTIME_ROOT", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--backend", "sim", "--model", "llama-3.1-8b", "--max-model-len", "4096"]
+    assert config_from_args(parser.parse_args(base)).worker.cuda_graphs
+    assert not config_from_args(parser.parse_args([*base, "--enforce-eager"])).worker.cuda_graphs
