@@ -33,6 +33,7 @@ the padding, bucketing and metadata are then checked through Triton's interprete
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +164,7 @@ class DecodeGraphs:
                    self._logits[:batch])
         if not self.capture:
             return g
+        start = time.perf_counter()
         # Eagerly first, with every row padding: compiles the kernels, loads their configs and allocates what
         # launchers keep per device (the W4A16 arrival counters) outside the graph.
         self._forward(g)
@@ -171,8 +173,8 @@ class DecodeGraphs:
         with torch.cuda.graph(g.graph, pool=self.pool):
             self._forward(g)
         g.copied = torch.cuda.Event()
-        log.info("captured a decode graph: batch %d, context up to %d tokens (%d graphs)", batch,
-                 columns * self.block_size, len(self._graphs) + 1)
+        log.info("captured a decode graph in %.0f ms: batch %d, context up to %d tokens (%d graphs)",
+                 1e3 * (time.perf_counter() - start), batch, columns * self.block_size, len(self._graphs) + 1)
         return g
 
     def _forward(self, g: _Graph) -> None:
