@@ -128,11 +128,12 @@ def _group_sums(x_row, gs_in, g_ok, GROUP: tl.constexpr):
 def _gemv_step(
     x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
     stride_qk, stride_sg, acc0, acc1, acc2, acc3,
-    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, WAIT: tl.constexpr,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, STAGE: tl.constexpr, WAIT: tl.constexpr,
 ):
     """One K step of the GEMV (see the kernel): G groups from input k0, added into the rows' accumulators.
-    ``WAIT``: the step of a PDL launch that waits for the kernel before, once its weights are loaded (up to
-    four words per group are held; with more, the wait comes before the words)."""
+    ``STAGE`` (PDL launches): load the step's words (up to four per group) before any activation, as ``WAIT``,
+    the first step, must: it waits for the kernel before once its weights are loaded (with more than four words
+    per group, before the words). Without PDL each word tile is loaded just before its use."""
     gs = k0 // GROUP + offs_g
     g_ok = gs < k_hi // GROUP
     gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
@@ -140,7 +141,7 @@ def _gemv_step(
     sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
     mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
     W: tl.constexpr = GROUP // 8  # words per group
-    STAGED: tl.constexpr = W <= 4
+    STAGED: tl.constexpr = STAGE and W <= 4
     if STAGED:
         p0 = _word_tile(qw_ptr, gs, 0, W, stride_qk, offs_n, mask_g)
         p1, p2, p3 = p0, p0, p0
@@ -249,15 +250,19 @@ def _w4a16_kernel(
         acc1 = tl.zeros([G, BLOCK_N], tl.float32)
         acc2 = tl.zeros([G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G, BLOCK_N], tl.float32)
-        # The first step alone: with PDL its weights are loaded before the wait (no kernel of a forward writes
-        # weights), so they are in flight while the kernel before finishes. Every later step in the loop.
-        acc0, acc1, acc2, acc3 = _gemv_step(
-            x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
-            stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, PDL)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        # With PDL the first step runs alone: its weights are loaded before the wait (no kernel of a forward
+        # writes weights), so they are in flight while the kernel before finishes. Without, one loop (the
+        # code is then the same as before PDL existed).
+        k_first = k_lo
+        if PDL:
+            acc0, acc1, acc2, acc3 = _gemv_step(
+                x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, True, True)
+            k_first = k_lo + BLOCK_K
+        for k0 in range(k_first, k_hi, BLOCK_K):
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
-                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, False)
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, PDL, False)
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
         if BLOCK_M > 1:
