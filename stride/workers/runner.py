@@ -77,6 +77,7 @@ class ModelRunner:
         self.w4a16 = use_w4a16(self.device.type, self.backend.name)
         self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16)
         self.args = self.model.args
+        graphs = self._graphs_wanted(cuda_graphs)
         self.block_size = block_size
         if num_blocks is None:
             free = free_device_bytes(self.device, memory_utilization)
@@ -84,10 +85,9 @@ class ModelRunner:
                 self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs
             )
             # The decode graphs' padding block comes out of the measured memory too.
-            num_blocks -= int(self._graphs_wanted(cuda_graphs))
+            num_blocks -= int(graphs)
             if num_blocks < 1:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
-        graphs = self._graphs_wanted(cuda_graphs)
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
         self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype)
         self.num_blocks = num_blocks
@@ -165,7 +165,8 @@ class ModelRunner:
             return torch.empty(0, self.args.vocab_size, device=self.device)
         max_blocks = int(-(-ctx_lens.max() // self.block_size))
         # Only this step's rows and columns leave the shared array; the gather copies on our side.
-        tables_host = _tensor(block_tables)[:, :max_blocks][torch.from_numpy(slots)]
+        all_tables = _tensor(block_tables)
+        tables_host = all_tables[:, :max_blocks][torch.from_numpy(slots)]
         needed = (
             torch.arange(max_blocks)[None, :] < torch.from_numpy(-(-ctx_lens // self.block_size))[:, None]
         )
@@ -177,7 +178,7 @@ class ModelRunner:
         offsets = np.arange(len(pos_host)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         if len(pos_host) != q_lens.sum() or np.any(pos_host != np.repeat(ctx_lens - q_lens, q_lens) + offsets):
             raise ValueError("each sequence's positions must be the last query_len of its context_len")
-        width = _tensor(block_tables).shape[1]
+        width = all_tables.shape[1]
         decode_only = q_lens.max() == 1
         if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
             return self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
