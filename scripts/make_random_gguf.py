@@ -47,23 +47,31 @@ def quantise_q4(w: torch.Tensor, qtype: str) -> np.ndarray:
     return torch.cat(parts, dim=-1).reshape(rows, -1).cpu().numpy()
 
 
-def write_gguf(cfg: dict[str, Any], out: str, qtype: str, seed: int, device: str) -> None:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+def llama_writer(cfg: dict[str, Any], out: str) -> Any:
+    """A ``gguf.GGUFWriter`` for ``out`` holding the llama metadata of an HF config dict (no tensors yet)."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim", hidden // heads)
     w = gguf.GGUFWriter(out, "llama")
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
+    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    return w
+
+
+def write_gguf(cfg: dict[str, Any], out: str, qtype: str, seed: int, device: str) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim", hidden // heads)
+    w = llama_writer(cfg, out)
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device) * 0.02

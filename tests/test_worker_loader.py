@@ -42,18 +42,8 @@ def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
     """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised 2-D)."""
     cfg = json.loads((hf / "config.json").read_text())
     weights = load_file(str(hf / "model.safetensors"))
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
+    w = make["llama_writer"](cfg, str(out))
     names = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
     for name, t in weights.items():
         a = t.numpy()
