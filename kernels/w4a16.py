@@ -59,8 +59,8 @@ class W4A16Config:
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
-    """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above. From H200 sweeps at
-    Llama-3.1-8B shapes (docs/perf.md).
+    """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above, in row blocks of 16, 64 or 128. From
+    H200 sweeps at Llama-3.1-8B shapes (docs/perf.md).
 
     One row: with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs at a time over 4 warps;
     with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,
@@ -89,13 +89,32 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
         groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
         return W4A16Config(block_m=block_m, block_n=block_n, block_k=groups * group_size, split_k=split_k,
                            num_warps=warps, num_stages=3, gemv=True)
-    # Tiles: 16 rows by 128 columns, one group per step (H200 sweep at M=16), K split up to 8 ways while
-    # there are at most 1,024 programs and each split keeps 512 inputs.
-    tiles = triton.cdiv(n, 128) * triton.cdiv(m, 16)
+    # Tiles. The codes are expanded once per row block, so a taller block spreads that work over more rows. Up to 16
+    # rows, one 16 x 128 block, K split up to 8 ways while there are at most 1,024 programs and each split keeps 512
+    # inputs (H200 sweep at M=16). From 17 rows, blocks of 64, then 128 rows (H200 sweeps at M = 32, 64, 128: a
+    # 64-row block takes about as long for 32 rows as for 64, and at M=64 it is 2.2-2.5x faster than four blocks of
+    # 16). 64 columns over 8 warps where 128-column tiles would be fewer than 128 and K is short (qkv, o); else 128
+    # (gate_up; down, whose long K then splits 8 ways). Fewer than 128 tiles: K split while each split keeps at
+    # least 1,024 inputs, up to 8 ways.
+    if m <= 16:
+        tiles = triton.cdiv(n, 128) * triton.cdiv(m, 16)
+        split_k = 1
+        while split_k < 8 and tiles * split_k * 2 <= 1024 and k // (split_k * 2) >= 512:
+            split_k *= 2
+        return W4A16Config(block_m=16, block_n=128, block_k=group_size, split_k=split_k, num_warps=4,
+                           num_stages=3)
+    block_m = 64 if m <= 64 else 128
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_m)
+    if block_m == 64 and tiles < 128 and k <= 8192:
+        block_n, warps = 64, 8
+        tiles *= 2
+    else:
+        block_n, warps = 128, 4 if block_m == 64 else 8
     split_k = 1
-    while split_k < 8 and tiles * split_k * 2 <= 1024 and k // (split_k * 2) >= 512:
+    while tiles < 128 and split_k < 8 and k // (split_k * 2) >= 1024:
         split_k *= 2
-    return W4A16Config(block_m=16, block_n=128, block_k=group_size, split_k=split_k, num_warps=4, num_stages=3)
+    return W4A16Config(block_m=block_m, block_n=block_n, block_k=group_size, split_k=split_k, num_warps=warps,
+                       num_stages=3)
 
 
 # Powers of two for the GEMV (see the kernel): nibble p of a word, read in place as a float, is the subnormal

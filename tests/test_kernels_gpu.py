@@ -67,7 +67,7 @@ def test_extend_matches_reference_and_chunks_equal_one_shot(dtype, tol):
     assert chunk_err <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m", [1, 7, 16, 40, 100])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
 def test_w4a16_at_8b_shapes(m, n, k):
     w = random_weight(n, k, device=CUDA, seed=m)

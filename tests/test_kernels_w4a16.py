@@ -69,6 +69,31 @@ def test_gemv_rows_per_program(dtype, block_m, m, split_k):
     assert _rel_err(out[1], ref[0]) > 0.1 and _rel_err(out[0], ref[1]) > 0.1
 
 
+@pytest.mark.parametrize("m,block_m,split_k", [(20, 64, 1), (70, 64, 3), (70, 128, 2)])
+def test_tall_tiles(m, block_m, split_k):
+    """Row blocks of 64 and 128 (batched decode from 17 rows): a partial last row block, ragged columns and a
+    ragged K split; every row against the reference, and a negative control with two rows exchanged."""
+    n, k = 72, 32 * 13
+    w = random_weight(n, k, device=DEVICE, seed=m + block_m)
+    gen = torch.Generator().manual_seed(m)
+    x = (torch.randn((m, k), generator=gen) * torch.logspace(-2, 2, m)[:, None]).to(torch.bfloat16).to(DEVICE)
+    cfg = W4A16Config(block_m=block_m, block_n=64, block_k=32, split_k=split_k, num_warps=4)
+    out = w4a16_matmul(x, w, cfg)
+    ref = w4a16_reference(x, w)
+    assert out.shape == (m, n)
+    for i in range(m):
+        assert _rel_err(out[i], ref[i]) <= 8e-3
+    assert _rel_err(out[m - 1], ref[m - 2]) > 0.1 and _rel_err(out[m - 2], ref[m - 1]) > 0.1
+
+
+def test_default_config_batched_rows():
+    """The launcher's own choice for 40 rows (a 64-row tile block) against the reference."""
+    n, k = 96, 32 * 9
+    w = random_weight(n, k, device=DEVICE, seed=40)
+    x = torch.randn((40, k), generator=torch.Generator().manual_seed(40)).to(torch.bfloat16).to(DEVICE)
+    assert _rel_err(w4a16_matmul(x, w), w4a16_reference(x, w)) <= 8e-3
+
+
 def test_gemv_rows_per_program_refused():
     w = random_weight(32, 64, device=DEVICE)
     with pytest.raises(AssertionError, match="1, 2 or 4 rows"):
