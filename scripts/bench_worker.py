@@ -10,8 +10,8 @@ a fraction of the roofline (weight bytes read per token over that bandwidth). Pr
 
 With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
 the model layers switched to the fused kernels or back with it, so the weights are loaded once. ``--graphs``
-times the triton backend again with its decode steps replayed from CUDA graphs (``triton+graphs``), and once
-more with graphs captured with programmatic dependent launch (``triton+graphs+pdl``, STRIDE_PDL=1).
+times the triton backend again with its decode steps replayed from CUDA graphs (``triton+graphs``); ``--pdl``
+once more with graphs captured with programmatic dependent launch (``triton+graphs+pdl``, STRIDE_PDL=1).
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def main() -> int:
     )
     parser.add_argument("--graphs", action="store_true",
                         help="also time the triton backend with decode steps replayed from CUDA graphs")
+    parser.add_argument("--pdl", action="store_true",
+                        help="with --graphs, also time graphs captured with programmatic dependent launch")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
@@ -146,7 +148,7 @@ def main() -> int:
     all_rates: dict[str, dict[int, float]] = {}
     modes = backends or [runner.backend.name]
     if graphs is not None:
-        modes = [m for m in modes if "+graphs" not in m] + ["triton+graphs", "triton+graphs+pdl"]
+        modes = [m for m in modes if "+graphs" not in m] + ["triton+graphs"] + ["triton+graphs+pdl"] * args.pdl
     for name in modes:
         runner.backend = get_backend(name.split("+")[0], runner.device.type)
         if name == "triton+graphs+pdl" and graphs is not None:  # new graphs, captured with PDL allowed
