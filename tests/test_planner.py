@@ -15,6 +15,7 @@ from stride.planner import (
     Parallelism,
     activation_reserve_bytes,
     check_parallelism,
+    decode_graph_reserve_bytes,
     get_gpu,
     load_geometry,
     num_kv_blocks,
@@ -215,19 +216,47 @@ def test_num_kv_blocks_from_free_memory() -> None:
     assert num_kv_blocks(g, reserve - 1, block_size=16) == 0
     p = plan(_deploy("llama-3.1-8b"))
     free = p.usable_bytes_per_rank - p.weights_bytes_per_rank
-    assert p.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free) > 0
+    assert p.graph_reserve_bytes > 0
+    assert p.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free, graph_reserve=p.graph_reserve_bytes) > 0
     assert p.tokens_total == p.num_blocks * 16 and p.concurrency[4096] == p.num_blocks // 256
+    eager = plan(dataclasses.replace(_deploy("llama-3.1-8b"), cuda_graphs=False))
+    assert eager.graph_reserve_bytes == 0 and eager.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free)
+    block = 16 * CATALOG["llama-3.1-8b"].kv_bytes_per_token(2)
+    assert eager.num_blocks - p.num_blocks == pytest.approx(p.graph_reserve_bytes / block, abs=1)
+
+
+def test_decode_graph_reserve_is_the_documented_formula() -> None:
+    g = CATALOG["llama-3.1-8b"]
+    width = 8192 // 16
+    pool = 2 * 256 * 4096 * 2 + 2 * 256 * 128256 * 4  # a 256-token step: residual + sampling
+    logits = 256 * 128256 * 4
+    buckets = [1, 2, 4, 8, *range(16, 257, 16)]
+    inputs = sum(b * (3 * 8 + 2 * width * 4) for b in buckets)
+    assert decode_graph_reserve_bytes(g, Parallelism(), 256, width) == pool + logits + inputs == 407_223_656
+    # Batch capped at 256 graphs' rows: more sequences reserve no more; fewer, less.
+    assert decode_graph_reserve_bytes(g, Parallelism(), 1024, width) == pool + logits + inputs
+    small = decode_graph_reserve_bytes(g, Parallelism(), 8, width)
+    assert small == activation_reserve_bytes(g, Parallelism(), 8, 8) + 8 * 128256 * 4 + 15 * (24 + 8 * width)
+    assert decode_graph_reserve_bytes(CATALOG["mixtral-8x7b"], Parallelism(tp=2, ep=2), 256, width) == 0  # eager MoE
+    with pytest.raises(ValueError):
+        decode_graph_reserve_bytes(g, Parallelism(), 256, 0)
 
 
 def test_refuses_when_kv_cannot_hold_one_sequence() -> None:
     # weights fit a 16 GiB card but leave no room for an 8k-token sequence
-    tight = Deployment(CATALOG["llama-3.1-8b"], get_gpu(mem_gib=17.0))
+    tight = Deployment(CATALOG["llama-3.1-8b"], get_gpu(mem_gib=17.0), cuda_graphs=False)
     p = plan(tight)
     assert p.refused and p.weights_bytes_per_rank < p.usable_bytes_per_rank
     assert "holds 544 tokens, fewer than one 8192-token sequence" in p.reason  # 17 GiB·0.9 − 15 − 0.28
     assert "--kv-dtype fp8" in p.reason
     assert not plan(dataclasses.replace(tight, max_model_len=512)).refused  # a shorter limit fits
     assert not plan(Deployment(CATALOG["llama-3.1-8b"], get_gpu(mem_gib=24.0))).refused
+    # with decode graphs their 0.4 GiB leaves nothing on that card; --enforce-eager is named as what fits
+    graphs = plan(dataclasses.replace(tight, cuda_graphs=True))
+    assert graphs.refused and "and the decode graphs' (0.4 GiB) leave no room for KV cache" in graphs.reason
+    assert "--enforce-eager" not in graphs.reason  # eager does not fit an 8k sequence here either
+    roomy = dataclasses.replace(tight, cuda_graphs=True, max_model_len=512)
+    assert plan(roomy).refused and "--enforce-eager (no decode graphs: fits" in plan(roomy).reason
     # weights fit but the reserve for a huge step leaves nothing
     huge = plan(dataclasses.replace(tight, max_num_batched_tokens=65536))
     assert huge.refused and "leave no room for KV cache" in huge.reason

@@ -170,3 +170,111 @@ def test_enforce_eager_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     base = ["--backend", "sim", "--model", "llama-3.1-8b", "--max-model-len", "4096"]
     assert config_from_args(parser.parse_args(base)).worker.cuda_graphs
     assert not config_from_args(parser.parse_args([*base, "--enforce-eager"])).worker.cuda_graphs
+
+
+def test_worker_cache_leaves_the_planners_graph_reserve(tiny_path: Path) -> None:
+    """Sizing the cache from free memory with decode graphs on takes the planner's graph reserve off first."""
+    from stride.planner.memory import decode_graph_reserve_bytes
+    from stride.planner.parallel import Parallelism
+    from stride.workers.kv_cache import geometry, num_blocks_for_memory
+    from stride.workers.loader import load_model
+
+    args = load_model(str(tiny_path), torch.device("cpu"), torch.float32).args
+    free = 3 * 2**30
+    eager = num_blocks_for_memory(args, free, 16, torch.bfloat16, 2048, 256)
+    graphs = num_blocks_for_memory(args, free, 16, torch.bfloat16, 2048, 256, graph_table_width=512)
+    reserve = decode_graph_reserve_bytes(geometry(args), Parallelism(1), 256, 512, act_bytes=2)
+    block = 16 * geometry(args).kv_bytes_per_token(2)
+    assert reserve > 10 * block and graphs < eager
+    assert abs((eager - graphs) - reserve / block) <= 1
+
+
+@torch.inference_mode()
+@cpu_triton
+def test_bucket_without_memory_to_capture_runs_eagerly_cpu(
+    tiny_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket whose capture runs out of device memory: that step, and later ones of that bucket, run eagerly
+    (same logits as an eager runner), with one warning; other buckets keep their graphs."""
+    graphed = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
+    eager = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton",
+                        cuda_graphs=False)
+    graphs = graphed.graphs
+    assert graphs is not None
+    build = graphs._build
+    tries: list[int] = []
+
+    def tight_build(batch: int, columns: int):  # type: ignore[no-untyped-def]
+        tries.append(batch)
+        if batch == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return build(batch, columns)
+
+    monkeypatch.setattr(graphs, "_build", tight_build)
+    tables = np.arange(12, dtype=np.int32).reshape(3, 4)
+    for ctx in ([1, 1], [2, 2]):  # bucket (2, 4) twice: one capture attempt
+        got = decode_step(graphed, [1, 2], ctx, tables)
+        want = decode_step(eager, [1, 2], ctx, tables)
+        assert torch.allclose(got, want, atol=1e-6)
+    assert tries == [2] and graphs.num_graphs == 0 and graphs._eager == {(2, 4)}
+    assert sum("no memory to capture a decode graph" in r.message for r in caplog.records) == 1
+    decode_step(graphed, [5], [1], tables)  # batch 1: its own bucket still gets a graph
+    assert tries == [2, 1] and graphs.num_graphs == 1
+
+
+@torch.inference_mode()
+@gpu
+@pytest.mark.gpu
+def test_graph_memory_within_reserve_and_capture_oom_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an 8B-shaped model (two layers, bf16): the memory the decode graphs take, at the largest batch and the
+    widest context bucket among others, stays within the planner's reserve for them; and a capture that runs out
+    of memory mid-capture leaves the step to the eager path (same greedy tokens) and later captures working."""
+    from stride.planner.memory import decode_graph_reserve_bytes
+    from stride.planner.parallel import Parallelism
+    from stride.workers.kv_cache import geometry
+
+    path = make_checkpoint("llama-3.1-8b", tmp_path / "ck", torch.bfloat16, num_layers=2, device="cuda")
+    runner = ModelRunner(str(path), device="cuda", dtype="bfloat16", num_blocks=600, block_size=16,
+                         attention_backend="triton", max_num_seqs=256, max_model_len=8192)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.max_batch == 256
+    rng = np.random.default_rng(0)
+    tables = rng.integers(0, 600, (256, 512)).astype(np.int32)  # blocks may repeat: only memory is measured
+    tokens = rng.integers(0, runner.args.vocab_size, 256).tolist()
+    steps = [(256, 8000), (256, 300), (100, 2000), (1, 5000), (16, 8192)]
+    runner.graphs = None  # the eager steps' own activations first (the activation reserve's share)
+    for n, ctx in steps:
+        decode_step(runner, tokens[:n], [ctx] * n, tables)
+    runner.graphs = graphs
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for n, ctx in steps:
+        decode_step(runner, tokens[:n], [ctx] * n, tables)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_reserved() - before
+    reserve = decode_graph_reserve_bytes(geometry(runner.args), Parallelism(1), 256, 512, act_bytes=2)
+    print(f"decode graphs: {graphs.num_graphs} graphs hold {used / 2**20:.1f} MiB; reserve {reserve / 2**20:.1f} MiB")
+    assert graphs.num_graphs == 5
+    assert 256 * runner.args.vocab_size * 4 <= used <= reserve  # at least the shared logits buffer is counted
+
+    # A capture that runs out of memory part-way: the step runs eagerly, and capture still works afterwards.
+    forward = runner.model.forward
+
+    def oom_while_capturing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner.model, "forward", oom_while_capturing)
+    got = decode_step(runner, tokens[:3], [700] * 3, tables)  # bucket (4, 64): new, and its capture fails
+    assert (4, 64) in graphs._eager and graphs.num_graphs == 5
+    monkeypatch.setattr(runner.model, "forward", forward)
+    runner_graphs, runner.graphs = runner.graphs, None
+    want = decode_step(runner, tokens[:3], [700] * 3, tables)
+    runner.graphs = runner_graphs
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+    decode_step(runner, tokens[:2], [700] * 2, tables)  # bucket (2, 64): captured as usual
+    assert graphs.num_graphs == 6 and graphs._graphs[(2, 64)].graph is not None

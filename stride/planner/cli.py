@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most sequences per step (sizes the sampling reserve)")
     parser.add_argument("--max-model-len", type=int, default=0,
                         help="one sequence this long must fit (default: min(8192, model context))")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no decode CUDA graphs (as `stride serve --enforce-eager`): no memory reserved for them")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -67,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype, block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len)
+            max_model_len=args.max_model_len, cuda_graphs=not args.enforce_eager)
     except ValueError as e:
         print(f"stride plan: {e}", file=sys.stderr)
         return 2
@@ -95,6 +97,8 @@ def format_plan(p: Plan, d: Deployment) -> str:
             f"(whole model {_gib(p.weights_bytes_total)})",
             f"  activation reserve  {_gib(p.activation_reserve_bytes)} "
             f"({d.max_num_batched_tokens} batched tokens, {d.max_num_seqs} sequences)",
+            f"  decode graphs       {_gib(p.graph_reserve_bytes)}"
+            + ("" if p.graph_reserve_bytes else " (eager decode)" if not d.cuda_graphs else " (MoE: eager decode)"),
             f"  KV cache per rank   {_gib(p.kv_cache_bytes_per_rank)}",
             f"  KV blocks           {p.num_blocks} × {p.block_size} tokens = {p.tokens_total} tokens"]
         for ctx, n in p.concurrency.items():

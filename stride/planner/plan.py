@@ -15,7 +15,7 @@ from stride.config import SchedulerConfig
 from stride.planner.formats import WEIGHT_FORMAT_NAMES, kv_dtype_bytes, weight_format
 from stride.planner.geometry import ModelGeometry
 from stride.planner.hardware import GiB, GpuSpec
-from stride.planner.memory import activation_reserve_bytes, num_kv_blocks
+from stride.planner.memory import activation_reserve_bytes, decode_graph_reserve_bytes, num_kv_blocks
 from stride.planner.parallel import (
     Parallelism,
     check_parallelism,
@@ -47,6 +47,9 @@ class Deployment:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_model_len: int = 0
     """At least one sequence this long must fit; 0 means min(scheduler default, the model's context)."""
+    cuda_graphs: bool = True
+    """Decode steps replay CUDA graphs (the worker's default; ``--enforce-eager`` turns them off): their
+    memory is reserved beside the activations'."""
 
     def __post_init__(self) -> None:
         weight_format(self.weights, self.group_size)  # validates the name
@@ -87,6 +90,8 @@ class Plan:
     gpu_memory_bytes: int
     usable_bytes_per_rank: int
     activation_reserve_bytes: int
+    graph_reserve_bytes: int
+    """The decode CUDA graphs' buffers (0 with graphs off, or for a mixture-of-experts model)."""
     kv_cache_bytes_per_rank: int
     num_blocks: int
     block_size: int
@@ -118,17 +123,21 @@ def plan(d: Deployment, suggest: bool = True) -> Plan:
         problems=problems)
     if problems:
         return Plan(**base, kv_bytes_per_token_per_rank=0, weights_bytes_per_rank=0, weights_bytes_by_rank=[],
-                    activation_reserve_bytes=0, kv_cache_bytes_per_rank=0, num_blocks=0, tokens_total=0,
-                    concurrency={c: 0 for c in CONTEXTS}, refused=True,
+                    activation_reserve_bytes=0, graph_reserve_bytes=0, kv_cache_bytes_per_rank=0, num_blocks=0,
+                    tokens_total=0, concurrency={c: 0 for c in CONTEXTS}, refused=True,
                     reason="invalid split: " + "; ".join(problems))
 
     by_rank = rank_weight_bytes(g, fmt, par)
     weights = max(by_rank)
-    reserve = activation_reserve_bytes(g, par, d.max_num_batched_tokens, d.max_num_seqs)
+    act_reserve = activation_reserve_bytes(g, par, d.max_num_batched_tokens, d.max_num_seqs)
+    graph_reserve = (decode_graph_reserve_bytes(g, par, d.max_num_seqs, -(-d.required_len // d.block_size))
+                     if d.cuda_graphs else 0)
+    reserve = act_reserve + graph_reserve
     kv_per_token = kv_bytes_per_token_per_rank(g, par, kv_bytes)
     # a block spans every rank, so the rank with the least room sets the pool size
     num_blocks = min(num_kv_blocks(g, usable - w, d.block_size, d.kv_dtype, par.tp, par.pp, par.ep,
-                                   d.max_num_batched_tokens, d.max_num_seqs) for w in set(by_rank))
+                                   d.max_num_batched_tokens, d.max_num_seqs, graph_reserve=graph_reserve)
+                     for w in set(by_rank))
     tokens = num_blocks * d.block_size
     blocks_per = lambda c: -(-c // d.block_size)
     concurrency = {c: (None if g.max_context and c > g.max_context else num_blocks // blocks_per(c))
@@ -138,15 +147,18 @@ def plan(d: Deployment, suggest: bool = True) -> Plan:
         reason = (f"weights need {_gib(weights)} per rank but {d.gpu.name} has {_gib(usable)} usable "
                   f"({d.gpu_memory_utilization:.0%} of {_gib(d.gpu.memory_bytes)})")
     elif weights + reserve >= usable or num_blocks == 0:
-        reason = (f"weights ({_gib(weights)}) plus the activation reserve ({_gib(reserve)} for "
-                  f"{d.max_num_batched_tokens} batched tokens) leave no room for KV cache in {_gib(usable)}")
+        reason = (f"weights ({_gib(weights)}) plus the activation reserve ({_gib(act_reserve)} for "
+                  f"{d.max_num_batched_tokens} batched tokens)"
+                  + (f" and the decode graphs' ({_gib(graph_reserve)})" if graph_reserve else "")
+                  + f" leave no room for KV cache in {_gib(usable)}")
     elif num_blocks < blocks_per(d.required_len):
         reason = (f"KV cache of {_gib(usable - weights - reserve)} per rank holds {tokens} tokens, "
                   f"fewer than one {d.required_len}-token sequence")
     if reason and suggest:
         reason += " — " + _remedy(d, weights_fit=weights <= usable)
     return Plan(**base, kv_bytes_per_token_per_rank=kv_per_token, weights_bytes_per_rank=weights,
-                weights_bytes_by_rank=by_rank, activation_reserve_bytes=reserve,
+                weights_bytes_by_rank=by_rank, activation_reserve_bytes=act_reserve,
+                graph_reserve_bytes=graph_reserve,
                 kv_cache_bytes_per_rank=max(0, usable - weights - reserve), num_blocks=num_blocks,
                 tokens_total=tokens, concurrency=concurrency, refused=bool(reason), reason=reason)
 
@@ -176,6 +188,8 @@ def _remedy(d: Deployment, weights_fit: bool) -> str:
         if d.kv_dtype != "fp8":
             text += ", or use --kv-dtype fp8"
         text += ", or lower --max-num-batched-tokens or --max-model-len"
+        if d.cuda_graphs and not d.model.is_moe and _fits(dataclasses.replace(d, cuda_graphs=False), par):
+            text += ", or --enforce-eager (no decode graphs: fits, slower decode)"
     return text
 
 

@@ -23,8 +23,9 @@ again only after the copy out of it finished. The logits returned are a copy: th
 overwritten by the next replay.
 
 Memory: the graphs' buffers (one (max_batch, vocab) float32 logits buffer that every graph writes into, each
-graph's small inputs, one pool of intermediates shared by all graphs) come out of the share of the device that
-``gpu_memory_utilization`` leaves free: the KV cache is sized before any graph exists.
+graph's small inputs, one pool of intermediates shared by all graphs) are reserved when the KV cache is sized
+(:func:`stride.planner.memory.decode_graph_reserve_bytes`, the planner's formula). Should a capture still run
+out of device memory, that bucket's steps run eagerly from then on (logged once); the step is not lost.
 
 ``capture=False`` runs the same static-buffer forward eagerly instead of replaying a graph (CPU tests:
 the padding, bucketing and metadata are then checked through Triton's interpreter).
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stride.planner.memory import graph_batch_buckets as batch_buckets
 from stride.workers.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from stride.workers.kv_cache import KVCache
 from stride.workers.models.llama import Transformer
@@ -47,11 +49,6 @@ log = logging.getLogger(__name__)
 
 MIN_CONTEXT = 256
 """Smallest context bucket, in tokens: shorter contexts cost the decode kernel nothing extra."""
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16, below ``max_batch``; and ``max_batch`` itself."""
-    return [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
 
 
 def context_bucket(max_context_len: int, block_size: int, table_width: int) -> int:
@@ -102,6 +99,8 @@ class DecodeGraphs:
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._eager: set[tuple[int, int]] = set()
+        """Buckets whose capture ran out of device memory: their steps run eagerly."""
         self._logits: torch.Tensor | None = None
 
     @property
@@ -119,17 +118,29 @@ class DecodeGraphs:
         context_lens: np.ndarray,
         tables: torch.Tensor,
         table_width: int,
-    ) -> torch.Tensor:
-        """float32 logits (num_seqs, vocab) of a decode step. ``tables``: host (num_seqs, >= blocks needed)
-        rows of the step's sequences (entries past a sequence's blocks are never read); ``table_width``:
-        columns of the whole block-table array, the most a context bucket may take. The runner has checked
-        every input; this only places them."""
+    ) -> torch.Tensor | None:
+        """float32 logits (num_seqs, vocab) of a decode step, or None where this step's bucket could not be
+        captured (out of device memory): the caller runs it eagerly. ``tables``: host (num_seqs, >= blocks
+        needed) rows of the step's sequences (entries past a sequence's blocks are never read);
+        ``table_width``: columns of the whole block-table array, the most a context bucket may take. The
+        runner has checked every input; this only places them."""
         num_seqs = len(context_lens)
         batch = next(b for b in self.buckets if b >= num_seqs)
         columns = context_bucket(int(context_lens.max()), self.block_size, table_width)
-        g = self._graphs.get((batch, columns))
+        key = (batch, columns)
+        if key in self._eager:
+            return None
+        g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[(batch, columns)] = self._build(batch, columns)
+            try:
+                g = self._build(batch, columns)
+            except torch.OutOfMemoryError as exc:
+                self._eager.add(key)
+                log.warning("no memory to capture a decode graph (batch %d, context up to %d tokens): those steps "
+                            "run eagerly from now on (%s)", batch, columns * self.block_size,
+                            str(exc).splitlines()[0])
+                return None
+            self._graphs[key] = g
         if g.copied is not None:
             g.copied.synchronize()  # the last step's copies out of the host buffers are done
         ints = g.host_ints.numpy()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from stride.planner.geometry import ModelGeometry
-from stride.planner.memory import num_kv_blocks
+from stride.planner.memory import decode_graph_reserve_bytes, num_kv_blocks
+from stride.planner.parallel import Parallelism
 from stride.workers.models import ModelArgs
 
 
@@ -73,13 +74,18 @@ def num_blocks_for_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     tp_size: int = 1,
+    graph_table_width: int = 0,
 ) -> int:
     """Blocks that fit in ``free_bytes`` after the planner's activation reserve (the planner's own formula,
-    so a deployment the planner approves gets the cache it planned)."""
+    so a deployment the planner approves gets the cache it planned), and after the decode graphs' reserve
+    when ``graph_table_width`` (block-table columns) is given, i.e. with decode graphs on."""
     elem = torch.empty(0, dtype=dtype).element_size()
+    geo = geometry(args)
+    graphs = (decode_graph_reserve_bytes(geo, Parallelism(tp_size), max_num_seqs, graph_table_width, elem)
+              if graph_table_width else 0)
     # The planner knows 16-bit and 8-bit KV; a float32 cache is two 16-bit ones.
     blocks_16 = num_kv_blocks(
-        geometry(args),
+        geo,
         free_bytes,
         block_size,
         "bf16",
@@ -87,6 +93,7 @@ def num_blocks_for_memory(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         act_bytes=elem,
+        graph_reserve=graphs,
     )
     return blocks_16 * 2 // elem
 

@@ -16,6 +16,7 @@ import torch
 
 from stride import env
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+from stride.planner.memory import MAX_GRAPH_BATCH
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
@@ -24,7 +25,6 @@ from stride.workers.models.layers import use_fused_kernels
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPH_BATCH = 256
 """Largest decode batch replayed from a CUDA graph; larger steps launch eagerly (and are not launch-bound)."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +64,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
+        max_model_len: int = SchedulerConfig.max_model_len,
         memory_utilization: float = 0.9,
         attention_backend: str = "",
         cuda_graphs: bool = True,
@@ -81,8 +82,11 @@ class ModelRunner:
         self.block_size = block_size
         if num_blocks is None:
             free = free_device_bytes(self.device, memory_utilization)
+            # With decode graphs their buffers are reserved too (the planner's formula): they are allocated as
+            # buckets are first used, mid-serving, after the cache took its share.
             num_blocks = num_blocks_for_memory(
-                self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs
+                self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs,
+                graph_table_width=-(-max_model_len // block_size) if graphs else 0,
             )
             # The decode graphs' padding block comes out of the measured memory too.
             num_blocks -= int(graphs)
@@ -131,6 +135,7 @@ class ModelRunner:
             num_blocks=None if device.type == "cuda" else cache.num_blocks,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
+            max_model_len=sched.max_model_len,
             memory_utilization=worker.gpu_memory_utilization,
             cuda_graphs=worker.cuda_graphs,
             progress=progress,
@@ -181,7 +186,9 @@ class ModelRunner:
         width = all_tables.shape[1]
         decode_only = q_lens.max() == 1
         if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
-            return self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
+            logits = self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
+            if logits is not None:  # else no memory to capture its bucket: eagerly, below
+                return logits
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
         tables = tables_host.to(self.device, torch.int32, non_blocking=True)
