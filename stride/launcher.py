@@ -87,7 +87,8 @@ class Launch:
                 self.info[(msg.role, msg.index)] = msg.info
             elif isinstance(msg, m.ProcessFailed):
                 raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
-            elif isinstance(msg, m.Progress) and not self.quiet and msg.fraction - last_shown >= 0.1:
+            elif isinstance(msg, m.Progress) and not self.quiet and (
+                    msg.fraction - last_shown >= 0.1 or msg.fraction < last_shown):  # (or a new phase began)
                 last_shown = msg.fraction
                 print(f"  {msg.role}: {msg.message} {msg.fraction:4.0%}", file=sys.stderr, flush=True)
 

@@ -278,3 +278,30 @@ def test_graph_memory_within_reserve_and_capture_oom_falls_back(
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
     decode_step(runner, tokens[:2], [700] * 2, tables)  # bucket (2, 64): captured as usual
     assert graphs.num_graphs == 6 and graphs._graphs[(2, 64)].graph is not None
+
+
+@torch.inference_mode()
+@gpu
+@pytest.mark.gpu
+def test_worker_captures_shortest_context_graphs_before_serving(tmp_path: Path) -> None:
+    """Built as the worker process builds it, the runner has every batch bucket's graph at the shortest context
+    bucket before its first step (largest first, progress reported); steps of those buckets only replay."""
+    from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+
+    path = make_checkpoint("tiny-llama", tmp_path / "ck", torch.float32)
+    seen: list[tuple[str, float]] = []
+    runner = ModelRunner.from_config(
+        WorkerConfig(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.2),
+        CacheConfig(block_size=16), SchedulerConfig(max_num_seqs=40, max_model_len=1024),
+        progress=lambda msg, frac: seen.append((msg, frac)))
+    graphs = runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 8, 16, 32, 40]
+    assert sorted(graphs._graphs) == [(b, 16) for b in graphs.buckets]  # 256 tokens in 16-token blocks
+    assert all(g.graph is not None and g.replays == 0 for g in graphs._graphs.values())
+    assert seen[-1] == ("captured decode graph 7 of 7", 1.0)
+    tables = np.arange(40 * 64, dtype=np.int32).reshape(40, 64) % runner.num_blocks
+    for n in (3, 40, 1):
+        decode_step(runner, list(range(n)), [100] * n, tables)
+    assert graphs.num_graphs == 7 and sum(g.replays for g in graphs._graphs.values()) == 3
+    decode_step(runner, [1, 2], [300, 300], tables)  # a longer context: its graph on first use
+    assert graphs.num_graphs == 8

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs: one graph per (batch bucket, context bucket), captured on first use.
+"""Decode steps replayed from CUDA graphs: one graph per (batch bucket, context bucket).
 
 A decode-only step of a small model is bound by launching its kernels (hundreds per step, each a few
 microseconds of host work), not by the GPU. A graph records the whole forward, lm_head included, once;
@@ -13,6 +13,9 @@ Shapes are bucketed so a handful of graphs serve every step:
 - context: the next power of two of the step's longest context (at least :data:`MIN_CONTEXT`, at most
   the block table's width). The decode kernel is launched for the bucket and skips the splits past each
   sequence's own length, so a graph serves every context up to its bucket.
+
+The worker captures every batch bucket at the shortest context bucket before it reports ready
+(:meth:`DecodeGraphs.capture_all`); the graphs of longer contexts are captured on their first step.
 
 What a graph holds fixed: the kernels' launch configs (looked up for the bucket at capture), the caches'
 addresses, the weights' addresses. Steps that prefill, that are larger than ``max_batch``, or models
@@ -43,6 +46,7 @@ import torch
 from stride.planner.memory import graph_batch_buckets as batch_buckets
 from stride.workers.attention import AttentionBackend, AttentionContext, AttentionMetadata
 from stride.workers.kv_cache import KVCache
+from stride.workers.loader import ProgressCallback
 from stride.workers.models.llama import Transformer
 
 log = logging.getLogger(__name__)
@@ -127,20 +131,9 @@ class DecodeGraphs:
         num_seqs = len(context_lens)
         batch = next(b for b in self.buckets if b >= num_seqs)
         columns = context_bucket(int(context_lens.max()), self.block_size, table_width)
-        key = (batch, columns)
-        if key in self._eager:
-            return None
-        g = self._graphs.get(key)
+        g = self._get(batch, columns)
         if g is None:
-            try:
-                g = self._build(batch, columns)
-            except torch.OutOfMemoryError as exc:
-                self._eager.add(key)
-                log.warning("no memory to capture a decode graph (batch %d, context up to %d tokens): those steps "
-                            "run eagerly from now on (%s)", batch, columns * self.block_size,
-                            str(exc).splitlines()[0])
-                return None
-            self._graphs[key] = g
+            return None
         if g.copied is not None:
             g.copied.synchronize()  # the last step's copies out of the host buffers are done
         ints = g.host_ints.numpy()
@@ -162,6 +155,40 @@ class DecodeGraphs:
             self._forward(g)
         g.replays += 1
         return g.logits[:num_seqs].clone()
+
+    def capture_all(self, table_width: int, progress: ProgressCallback | None = None) -> None:
+        """Capture now, before serving, the graph of every batch bucket at the shortest context bucket, largest
+        batch first (smaller graphs then reuse the intermediates' pool). Serving then never stalls on these
+        buckets' first use, which compiles kernels for the batch size besides capturing; longer contexts'
+        graphs are still captured on first use. Nothing to do uncaptured (CPU)."""
+        if not self.capture:
+            return
+        columns = context_bucket(1, self.block_size, table_width)
+        start = time.perf_counter()
+        for i, batch in enumerate(reversed(self.buckets)):
+            self._get(batch, columns)
+            if progress is not None:
+                progress(f"captured decode graph {i + 1} of {len(self.buckets)}", (i + 1) / len(self.buckets))
+        log.info("captured %d decode graphs (batch 1 to %d, context up to %d tokens) in %.1f s", self.num_graphs,
+                 self.max_batch, columns * self.block_size, time.perf_counter() - start)
+
+    def _get(self, batch: int, columns: int) -> _Graph | None:
+        """The bucket's graph, captured now if it is new; None if its capture ran out of device memory."""
+        key = (batch, columns)
+        if key in self._eager:
+            return None
+        g = self._graphs.get(key)
+        if g is None:
+            try:
+                g = self._build(batch, columns)
+            except torch.OutOfMemoryError as exc:
+                self._eager.add(key)
+                log.warning("no memory to capture a decode graph (batch %d, context up to %d tokens): those steps "
+                            "run eagerly from now on (%s)", batch, columns * self.block_size,
+                            str(exc).splitlines()[0])
+                return None
+            self._graphs[key] = g
+        return g
 
     def _build(self, batch: int, columns: int) -> _Graph:
         pinned = self.device.type == "cuda"

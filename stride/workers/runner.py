@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from stride import env
-from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks_per_seq
 from stride.planner.memory import MAX_GRAPH_BATCH
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
@@ -124,10 +124,10 @@ class ModelRunner:
         sched: SchedulerConfig,
         progress: ProgressCallback | None = None,
     ) -> ModelRunner:
-        """As the worker process builds it: on CUDA the cache is sized from free memory, on CPU it has
-        ``cache.num_blocks`` blocks."""
+        """As the worker process builds it: on CUDA the cache is sized from free memory and the decode graphs of
+        the shortest context bucket are captured; on CPU the cache has ``cache.num_blocks`` blocks."""
         device, _ = resolve_device_dtype(worker.device, worker.dtype)
-        return cls(
+        runner = cls(
             worker.model,
             device=str(device),
             dtype=worker.dtype,
@@ -140,6 +140,9 @@ class ModelRunner:
             cuda_graphs=worker.cuda_graphs,
             progress=progress,
         )
+        if runner.graphs is not None:  # on CUDA: the shortest-context graphs now, not mid-serving
+            runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
+        return runner
 
     def _graphs_wanted(self, enabled: bool) -> bool:
         """Decode graphs need the Triton backend (the torch one reads lengths on the host) and a forward with
