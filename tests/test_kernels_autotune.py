@@ -152,5 +152,11 @@ def test_spaces_are_non_empty_and_costs_rank_workspace():
     assert PAGED_EXTEND.space(EXTEND_SHAPE) and SILU_MUL.space(SiluShape(8, 14336))
     assert len({PAGED_EXTEND.bucket(dataclasses.replace(EXTEND_SHAPE, query_len=q)) for q in (20, 200)}) == 2
     assert W4A16.cost(wq.W4A16Config(split_k=1), GemmShape(1, 64, 256)) == 0
+    # The W4A16 tile space follows the launcher's row blocks: 16 up to M=16, 64 above, 128 too above 64; the
+    # default config is in the space it would be tuned over.
+    for m, blocks in ((16, {16}), (40, {64}), (100, {64, 128})):
+        space = W4A16.space(GemmShape(m, 4096, 4096))
+        assert {c.block_m for c in space if not c.gemv} == blocks
+        assert wq.default_config(m, 4096, 4096) in space
     assert RMSNORM.cost(rn.RMSNormConfig(1, 4), NormShape(8, 4096)) > RMSNORM.cost(rn.RMSNormConfig(1, 16),
                                                                                     NormShape(8, 4096))
