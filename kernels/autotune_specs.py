@@ -212,7 +212,7 @@ def _gemm_gate_shapes(shape: GemmShape) -> list[GemmShape]:
 
 W4A16 = KernelSpec(
     name="w4a16", config_type=wq.W4A16Config, space=_gemm_space, gate_shapes=_gemm_gate_shapes,
-    make_problem=_gemm_problem, run=lambda cfg, p: wq.w4a16_matmul(p["x"], p["w"], cfg),
+    make_problem=_gemm_problem, run=lambda cfg, p: wq.w4a16_matmul(p["x"], p["w"], cfg, dequant=False),
     reference=lambda p: wq.w4a16_reference(p["x"], p["w"]),
     cost=lambda cfg, s: float(wq.workspace_bytes(s.m, s.n, cfg)),
     bucket=lambda s: f"m{next_pow2(s.m)}-n{s.n}-k{s.k}-g{s.group_size}-{str(s.dtype)[6:]}",
@@ -307,7 +307,7 @@ def broken_dropped_scale(cfg: wq.W4A16Config | None = None) -> Candidate:
     def run(p: Problem) -> torch.Tensor:
         w = p["w"]
         return wq.w4a16_matmul(p["x"], wq.W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins,
-                                                      w.group_size), cfg)
+                                                      w.group_size), cfg, dequant=False)
     return Candidate("broken:dropped_scale", run, cfg)
 
 

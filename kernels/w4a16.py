@@ -9,6 +9,12 @@ Packed layout (:class:`W4A16Weight`) of a weight W of shape (N, K) (nn.Linear's 
 Packing along K keeps a load of one row of words coalesced along N, and one word per output
 column per 8 inputs. GGUF Q4_1 maps directly (scale d, min m); Q4_0 is ``d * (q - 8)``, i.e. min = -8d.
 group_size must be a multiple of 8 (GGUF uses 32).
+
+From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
+W once into a per-device scratch matrix of x's dtype and multiplies that with cuBLAS: there the product is bound
+by matrix throughput, which the 4-bit kernels (exact per-group scaling on CUDA cores) do not reach. The weights
+are then rounded to x's dtype (bfloat16: 8 significant bits), as a 16-bit checkpoint's are; below the threshold
+the codes stay exact.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False
+
+
+DEQUANT_MIN_ROWS = 17
+"""Rows from which :func:`w4a16_matmul` expands W into a scratch matrix and calls cuBLAS. H200, Llama-3.1-8B
+layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (233 vs 274 us), from 32 the expansion (273 vs 317;
+1,421 vs 7,543 us at 2,048 rows)."""
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
@@ -365,6 +377,63 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+@triton.jit
+def _dequant_kernel(qw_ptr, sc_ptr, mn_ptr, out_ptr, KW, N, stride_qk, stride_sg, stride_ok,
+                    GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[k, n] = code[k, n] * scale + min, rounded once to out's dtype: W transposed, (K, N), the layout of the
+    packed words (rows of one word's eight inputs are written one after another, each coalesced along N)."""
+    offs_kw = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_kw[:, None] < KW) & (offs_n[None, :] < N)
+    words = tl.load(qw_ptr + offs_kw[:, None].to(tl.int64) * stride_qk + offs_n[None, :], mask=mask, other=0)
+    groups = (offs_kw * 8) // GROUP  # a group is whole words: a word's eight codes share one scale and min
+    sc = tl.load(sc_ptr + groups[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + groups[:, None] * stride_sg + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows = offs_kw.to(tl.int64) * 8
+    for j in tl.static_range(8):
+        code = ((words >> (4 * j)) & 0xF).to(tl.float32)
+        tl.store(out_ptr + (rows + j)[:, None] * stride_ok + offs_n[None, :],
+                 (code * sc + mn).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A per-device matrix buffer of ``dtype``, grown to the largest weight expanded so far (the worker's layers
+    run one at a time on one stream). Replaced buffers stay alive: a CUDA graph captured earlier uses them."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+def reserve_scratch(device: torch.device, dtype: torch.dtype, numel: int) -> None:
+    """Allocate the scratch matrix for the largest weight now (the worker does, after loading, so that the KV
+    cache is sized from what is left)."""
+    _scratch(device, dtype, numel)
+
+
+def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
+    """W transposed, (K, N), written into ``out`` (a float tensor of that shape, rows contiguous) in out's dtype."""
+    check_weight(w)
+    k, n = w.in_features, w.out_features
+    assert out.shape == (k, n) and out.stride(1) == 1, f"out must be ({k}, {n}) with contiguous rows"
+    check_float("out", out)
+    block_kw, block_n = 8, 128
+    grid = (triton.cdiv(k // 8, block_kw), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](w.qweight, w.scales, w.mins, out, k // 8, n, w.qweight.stride(0), w.scales.stride(0),
+                          out.stride(0), GROUP=w.group_size, BLOCK_KW=block_kw, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def scratch_bytes(n: int, k: int, elem: int) -> int:
+    """The scratch matrix one (N, K) weight takes when expanded (``DEQUANT_MIN_ROWS`` rows and more)."""
+    return n * k * elem
+
+
 def check_weight(w: W4A16Weight) -> None:
     k, n = w.in_features, w.out_features
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous(), "qweight must be contiguous int32"
@@ -381,11 +450,16 @@ def workspace_bytes(m: int, n: int, cfg: W4A16Config) -> int:
     return cfg.split_k * m * n * 4 if cfg.split_k > 1 else 0
 
 
-def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = None) -> torch.Tensor:
+def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = None,
+                 dequant: bool | None = None) -> torch.Tensor:
     """x: (M, K) float16/bfloat16 (float32 allowed for tests); returns (M, N) in x's dtype.
 
-    One launch. Calls that split K share per-device arrival counters: issue them on one stream (the
-    worker's), and make the first call before capturing a CUDA graph (it allocates the counters).
+    ``dequant``: expand W into the scratch matrix and multiply with cuBLAS (weights rounded to x's dtype); None
+    does so from :data:`DEQUANT_MIN_ROWS` rows, whatever ``config`` says (it configures the 4-bit kernel).
+
+    One launch for the 4-bit kernel (two: expansion and matmul). Calls that split K share per-device arrival
+    counters, and the expansion a per-device scratch matrix: issue them on one stream (the worker's), and make
+    the first call of a size before capturing a CUDA graph (it allocates those buffers).
     """
     check_weight(w)
     assert x.dim() == 2 and x.shape[1] == w.in_features, f"x {tuple(x.shape)} vs K={w.in_features}"
@@ -393,6 +467,9 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     check_last_contiguous("x", x)
     m, k = x.shape
     n = w.out_features
+    if dequant if dequant is not None else m >= DEQUANT_MIN_ROWS:
+        wt = dequantize_into(w, _scratch(x.device, x.dtype, k * n)[: k * n].view(k, n))
+        return x @ wt
     cfg = config or default_config(m, n, k, w.group_size)
     assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
     assert not cfg.gemv or cfg.block_m in (1, 2, 4), f"a GEMV program takes 1, 2 or 4 rows, not {cfg.block_m}"

@@ -173,7 +173,7 @@ def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
 
 
 def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Tensor:
-    return wq.w4a16_matmul(x, w, cfg)
+    return wq.w4a16_matmul(x, w, cfg, dequant=False)
 
 
 def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from kernels.w4a16 import (
+    DEQUANT_MIN_ROWS,
     W4A16Config,
     W4A16Weight,
     dequantize,
+    dequantize_into,
     from_gguf_q4,
     pack_codes,
     random_weight,
@@ -78,7 +80,7 @@ def test_tall_tiles(m, block_m, split_k):
     gen = torch.Generator().manual_seed(m)
     x = (torch.randn((m, k), generator=gen) * torch.logspace(-2, 2, m)[:, None]).to(torch.bfloat16).to(DEVICE)
     cfg = W4A16Config(block_m=block_m, block_n=64, block_k=32, split_k=split_k, num_warps=4)
-    out = w4a16_matmul(x, w, cfg)
+    out = w4a16_matmul(x, w, cfg, dequant=False)
     ref = w4a16_reference(x, w)
     assert out.shape == (m, n)
     for i in range(m):
@@ -86,12 +88,38 @@ def test_tall_tiles(m, block_m, split_k):
     assert _rel_err(out[m - 1], ref[m - 2]) > 0.1 and _rel_err(out[m - 2], ref[m - 1]) > 0.1
 
 
-def test_default_config_batched_rows():
-    """The launcher's own choice for 40 rows (a 64-row tile block) against the reference."""
+def test_batched_rows_default_paths():
+    """40 rows: by default W is expanded into the scratch matrix and multiplied there (weights rounded to bf16);
+    with the 4-bit kernel forced, the launcher's default 64-row tiles (codes exact, so closer)."""
     n, k = 96, 32 * 9
     w = random_weight(n, k, device=DEVICE, seed=40)
     x = torch.randn((40, k), generator=torch.Generator().manual_seed(40)).to(torch.bfloat16).to(DEVICE)
-    assert _rel_err(w4a16_matmul(x, w), w4a16_reference(x, w)) <= 8e-3
+    ref = w4a16_reference(x, w)
+    assert 40 >= DEQUANT_MIN_ROWS
+    expanded, tiles = w4a16_matmul(x, w), w4a16_matmul(x, w, dequant=False)
+    assert torch.equal(expanded, x @ dequantize_into(w, torch.empty(k, n, dtype=torch.bfloat16, device=DEVICE)))
+    assert _rel_err(expanded, ref) <= 8e-3 and _rel_err(tiles, ref) <= 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_into_scratch(dtype):
+    """The expansion kernel writes W transposed, each weight rounded once to the output dtype (float32: exact;
+    16-bit: within one unit in the last place, as Triton's interpreter rounds toward zero, the GPU to nearest);
+    the scratch grows for a larger weight and smaller ones use its start. Negative control: a weight whose
+    scales are all one expands to something else."""
+    small, large = random_weight(72, 96, device=DEVICE, seed=1), random_weight(200, 64 * 5, device=DEVICE, seed=2)
+    for w in (small, large, small):
+        out = dequantize_into(w, torch.empty(w.in_features, w.out_features, dtype=dtype, device=DEVICE))
+        want = dequantize(w).t()
+        if dtype == torch.float32:
+            assert torch.equal(out, want)
+        else:
+            assert ((out.float() - want).abs() <= want.abs() * torch.finfo(dtype).eps + 2.0**-24).all()
+        x = torch.randn(20, w.in_features).to(dtype).to(DEVICE)
+        assert torch.equal(w4a16_matmul(x, w, dequant=True), x @ out)
+    unscaled = W4A16Weight(small.qweight, torch.ones_like(small.scales), small.mins, small.group_size)
+    other = dequantize_into(unscaled, torch.empty(96, 72, dtype=dtype, device=DEVICE))
+    assert not torch.allclose(other, dequantize(small).t().to(dtype), atol=1e-2)
 
 
 def test_gemv_rows_per_program_refused():

@@ -16,6 +16,7 @@ from stride.planner import (
     activation_reserve_bytes,
     check_parallelism,
     decode_graph_reserve_bytes,
+    expansion_scratch_bytes,
     get_gpu,
     load_geometry,
     num_kv_blocks,
@@ -217,12 +218,29 @@ def test_num_kv_blocks_from_free_memory() -> None:
     p = plan(_deploy("llama-3.1-8b"))
     free = p.usable_bytes_per_rank - p.weights_bytes_per_rank
     assert p.graph_reserve_bytes > 0
-    assert p.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free, graph_reserve=p.graph_reserve_bytes) > 0
+    assert p.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free, extra_reserve=p.graph_reserve_bytes) > 0
     assert p.tokens_total == p.num_blocks * 16 and p.concurrency[4096] == p.num_blocks // 256
     eager = plan(dataclasses.replace(_deploy("llama-3.1-8b"), cuda_graphs=False))
     assert eager.graph_reserve_bytes == 0 and eager.num_blocks == num_kv_blocks(CATALOG["llama-3.1-8b"], free)
     block = 16 * CATALOG["llama-3.1-8b"].kv_bytes_per_token(2)
     assert eager.num_blocks - p.num_blocks == pytest.approx(p.graph_reserve_bytes / block, abs=1)
+
+
+def test_four_bit_weights_reserve_their_expansion_scratch() -> None:
+    g = CATALOG["llama-3.1-8b"]
+    gate_up = 2 * 14336 * 4096 * 2
+    assert expansion_scratch_bytes(g, Parallelism()) == gate_up
+    assert expansion_scratch_bytes(g, Parallelism(tp=4)) == gate_up // 4
+    base = Deployment(g, get_gpu("H200-141GB"))
+    act = activation_reserve_bytes(g, Parallelism(), base.max_num_batched_tokens, base.max_num_seqs)
+    for weights, scratch in (("bf16", 0), ("fp8", 0), ("gguf-q4_1", gate_up), ("w4a16", gate_up)):
+        p = plan(dataclasses.replace(base, weights=weights))
+        assert p.activation_reserve_bytes == act + scratch, weights
+        free = p.usable_bytes_per_rank - p.weights_bytes_per_rank
+        assert p.num_blocks == num_kv_blocks(g, free, extra_reserve=p.graph_reserve_bytes + scratch)
+    # MoE: the attention projections only (the experts are not expanded).
+    mix = CATALOG["mixtral-8x7b"]
+    assert expansion_scratch_bytes(mix, Parallelism()) == (4096 + 2 * 1024) * 4096 * 2
 
 
 def test_decode_graph_reserve_is_the_documented_formula() -> None:

@@ -9,13 +9,18 @@ from stride.planner.cost import StepCost, StepCostModel
 from stride.planner.formats import WeightFormat, kv_dtype_bytes, weight_format
 from stride.planner.geometry import CATALOG, ModelGeometry, load_geometry
 from stride.planner.hardware import GPUS, GpuSpec, get_gpu
-from stride.planner.memory import activation_reserve_bytes, decode_graph_reserve_bytes, num_kv_blocks
+from stride.planner.memory import (
+    activation_reserve_bytes,
+    decode_graph_reserve_bytes,
+    expansion_scratch_bytes,
+    num_kv_blocks,
+)
 from stride.planner.parallel import Parallelism, check_parallelism, rank_weight_bytes
 from stride.planner.plan import Deployment, Plan, plan
 
 __all__ = [
     "CATALOG", "GPUS", "Deployment", "GpuSpec", "ModelGeometry", "Parallelism", "Plan", "StepCost",
     "StepCostModel", "WeightFormat", "activation_reserve_bytes", "check_parallelism", "decode_graph_reserve_bytes",
-    "get_gpu",
+    "expansion_scratch_bytes", "get_gpu",
     "kv_dtype_bytes", "load_geometry", "num_kv_blocks", "plan", "rank_weight_bytes", "weight_format",
 ]

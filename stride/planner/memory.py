@@ -16,6 +16,9 @@ Layers run one after another, so the reserve is the residual plus the largest of
 attention kernel is paged/flash style (no ``T × context`` score matrix). CUDA context, cuBLAS and NCCL
 workspaces and allocator slack are what ``gpu_memory_utilization`` leaves out, not part of this reserve.
 
+With 4-bit weights a rank also keeps one 16-bit scratch matrix the size of its largest projection
+(:func:`expansion_scratch_bytes`): steps of many rows expand a weight into it and multiply with cuBLAS.
+
 The decode graphs' reserve (dense models with CUDA graphs on; they hold their memory for the life of the
 worker, beside the eager steps' activations) is, per rank, with ``B = min(max_num_seqs, MAX_GRAPH_BATCH)``:
 
@@ -77,21 +80,34 @@ def decode_graph_reserve_bytes(g: ModelGeometry, par: Parallelism, max_num_seqs:
     return pool + batch * g.vocab_size * 4 + inputs
 
 
+def expansion_scratch_bytes(g: ModelGeometry, par: Parallelism, act_bytes: int = 2) -> int:
+    """4-bit weights (W4A16, GGUF Q4): the 16-bit scratch matrix a rank expands its largest projection into for
+    steps of many rows (``kernels/w4a16.py``): the largest of the merged q/k/v, o, merged gate/up and down
+    projections, as sharded on the rank (dense MLPs; an MoE model's attention projections)."""
+    q_r = g.num_heads // par.tp * g.head_dim
+    kv_r = kv_heads_per_rank(g, par.tp) * g.head_dim
+    sizes = [(q_r + 2 * kv_r) * g.hidden_size, q_r * g.hidden_size]
+    if not g.is_moe:
+        sizes += [2 * (g.intermediate_size // par.tp) * g.hidden_size]
+    return max(sizes) * act_bytes
+
+
 def num_kv_blocks(g: ModelGeometry, free_bytes: int, block_size: int = 16, kv_dtype: str = "bf16",
                   tp: int = 1, pp: int = 1, ep: int = 1, max_num_batched_tokens: int = 2048,
-                  max_num_seqs: int = 256, act_bytes: int = 2, graph_reserve: int = 0) -> int:
+                  max_num_seqs: int = 256, act_bytes: int = 2, extra_reserve: int = 0) -> int:
     """KV blocks one rank can hold in ``free_bytes``: the memory left for activations and KV cache.
 
     The worker calls this after loading its weights, with ``free_bytes`` = the share of device memory it
     may use (``total × gpu_memory_utilization``) minus what is already allocated; the planner calls it
     with usable memory minus the weights it computed. The activation reserve for a step of
-    ``max_num_batched_tokens`` is subtracted first, and ``graph_reserve`` (:func:`decode_graph_reserve_bytes`,
-    0 without decode graphs). Every rank of a deployment must use the minimum over
+    ``max_num_batched_tokens`` is subtracted first, and ``extra_reserve``: what else the worker holds, the
+    decode graphs' (:func:`decode_graph_reserve_bytes`) and 4-bit weights' scratch (:func:`expansion_scratch_bytes`).
+    Every rank of a deployment must use the minimum over
     ranks, since a block spans all of them. Returns 0 when not even one block fits; callers refuse then.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     par = Parallelism(tp, pp, ep)
-    reserve = activation_reserve_bytes(g, par, max_num_batched_tokens, max_num_seqs, act_bytes) + graph_reserve
+    reserve = activation_reserve_bytes(g, par, max_num_batched_tokens, max_num_seqs, act_bytes) + extra_reserve
     block_bytes = block_size * kv_bytes_per_token_per_rank(g, par, kv_dtype_bytes(kv_dtype))
     return max(0, (free_bytes - reserve) // block_bytes)

@@ -15,7 +15,12 @@ from stride.config import SchedulerConfig
 from stride.planner.formats import WEIGHT_FORMAT_NAMES, kv_dtype_bytes, weight_format
 from stride.planner.geometry import ModelGeometry
 from stride.planner.hardware import GiB, GpuSpec
-from stride.planner.memory import activation_reserve_bytes, decode_graph_reserve_bytes, num_kv_blocks
+from stride.planner.memory import (
+    activation_reserve_bytes,
+    decode_graph_reserve_bytes,
+    expansion_scratch_bytes,
+    num_kv_blocks,
+)
 from stride.planner.parallel import (
     Parallelism,
     check_parallelism,
@@ -90,6 +95,7 @@ class Plan:
     gpu_memory_bytes: int
     usable_bytes_per_rank: int
     activation_reserve_bytes: int
+    """A step's activations; with 4-bit weights also the 16-bit scratch their largest projection expands into."""
     graph_reserve_bytes: int
     """The decode CUDA graphs' buffers (0 with graphs off, or for a mixture-of-experts model)."""
     kv_cache_bytes_per_rank: int
@@ -132,11 +138,13 @@ def plan(d: Deployment, suggest: bool = True) -> Plan:
     act_reserve = activation_reserve_bytes(g, par, d.max_num_batched_tokens, d.max_num_seqs)
     graph_reserve = (decode_graph_reserve_bytes(g, par, d.max_num_seqs, -(-d.required_len // d.block_size))
                      if d.cuda_graphs else 0)
+    scratch = expansion_scratch_bytes(g, par) if fmt.bits == 4 else 0
+    act_reserve += scratch  # a step's workspace too
     reserve = act_reserve + graph_reserve
     kv_per_token = kv_bytes_per_token_per_rank(g, par, kv_bytes)
     # a block spans every rank, so the rank with the least room sets the pool size
     num_blocks = min(num_kv_blocks(g, usable - w, d.block_size, d.kv_dtype, par.tp, par.pp, par.ep,
-                                   d.max_num_batched_tokens, d.max_num_seqs, graph_reserve=graph_reserve)
+                                   d.max_num_batched_tokens, d.max_num_seqs, extra_reserve=graph_reserve + scratch)
                      for w in set(by_rank))
     tokens = num_blocks * d.block_size
     blocks_per = lambda c: -(-c // d.block_size)

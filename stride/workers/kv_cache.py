@@ -93,7 +93,7 @@ def num_blocks_for_memory(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         act_bytes=elem,
-        graph_reserve=graphs,
+        extra_reserve=graphs,
     )
     return blocks_16 * 2 // elem
 

@@ -21,7 +21,7 @@ from stride.workers.attention import AttentionContext, AttentionMetadata, get_ba
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
-from stride.workers.models.layers import use_fused_kernels
+from stride.workers.models.layers import W4A16Linear, use_fused_kernels
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,13 @@ class ModelRunner:
         self.w4a16 = use_w4a16(self.device.type, self.backend.name)
         self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16)
         self.args = self.model.args
+        if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
+            from kernels.w4a16 import reserve_scratch
+
+            largest = max((m.qweight.numel() * 8 for m in self.model.modules() if isinstance(m, W4A16Linear)),
+                          default=0)
+            if largest:
+                reserve_scratch(self.device, self.dtype, largest)
         graphs = self._graphs_wanted(cuda_graphs)
         self.block_size = block_size
         if num_blocks is None:
