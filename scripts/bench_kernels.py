@@ -229,6 +229,43 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
     results["w4a16"] = rows
 
 
+def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
+                     rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 2048)) -> None:
+    """W4A16 at many rows: the 4-bit tile kernel (launcher default) against expanding W into the scratch matrix
+    and multiplying with cuBLAS (what ``w4a16_matmul`` does from ``DEQUANT_MIN_ROWS``), and bf16 ``F.linear``;
+    graphs, each path's error against the float32 reference. No tuning."""
+    out = []
+    print("\nW4A16 by rows: 4-bit tiles vs expand + cuBLAS vs bf16 F.linear (graphs, us; x = bf16 / path)")
+    print(f"{'proj':>8} {'M':>5} {'bf16':>8} {'tiles':>8} {'x':>6} {'expand':>8} {'x':>6}  rel. error tiles / expand")
+    totals: dict[int, list[float]] = {}
+    for name, (n, k) in GEMM_SHAPES.items():
+        w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
+        ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+        wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
+                     n * k * 2, rotate_bytes)
+        for m in rows:
+            x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+            ref = wq.w4a16_reference(x, ws[0]).float()
+            err = [((wq.w4a16_matmul(x, ws[0], dequant=d).float() - ref).norm() / ref.norm()).item()
+                   for d in (False, True)]
+            calls = 24 if m <= 256 else 6
+            bf = graph_over(partial(F.linear, x), wbf, calls)
+            tiles = graph_over(lambda w, x=x: wq.w4a16_matmul(x, w, dequant=False), ws, calls)
+            expand = graph_over(lambda w, x=x: wq.w4a16_matmul(x, w, dequant=True), ws, calls)
+            t = totals.setdefault(m, [0.0, 0.0, 0.0])
+            t[0], t[1], t[2] = t[0] + bf, t[1] + tiles, t[2] + expand
+            out.append({"proj": name, "m": m, "bf16_ms": bf, "tiles_ms": tiles, "expand_ms": expand,
+                        "tiles_rel_err": err[0], "expand_rel_err": err[1]})
+            print(f"{name:>8} {m:>5} {bf * 1e3:>8.1f} {tiles * 1e3:>8.1f} {bf / tiles:>5.2f}x {expand * 1e3:>8.1f} "
+                  f"{bf / expand:>5.2f}x  {err[0]:.1e} / {err[1]:.1e}")
+        del ws, wbf
+        torch.cuda.empty_cache()
+    for m, (bf, tiles, expand) in totals.items():
+        print(f"   layer {m:>5} {bf * 1e3:>8.1f} {tiles * 1e3:>8.1f} {bf / tiles:>5.2f}x {expand * 1e3:>8.1f} "
+              f"{bf / expand:>5.2f}x")
+    results["w4a16_rows"] = out
+
+
 def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
     hidden, inter = 4096, 14336
     rows = []
@@ -263,7 +300,8 @@ def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_kernels.json")
-    parser.add_argument("--parts", default="decode,extend,w4a16,rows")
+    parser.add_argument("--parts", default="decode,extend,w4a16,rows",
+                        help="comma-separated: decode, extend, w4a16, rows, w4rows (W4A16 tiles vs expansion by rows)")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--rotate-mb", type=int, default=512)
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
@@ -279,7 +317,7 @@ def main() -> int:
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
-             "extend": bench_extend, "rows": bench_rows_kernel,
+             "extend": bench_extend, "rows": bench_rows_kernel, "w4rows": bench_w4a16_rows,
              "w4a16": partial(bench_w4a16, batches=tuple(int(m) for m in args.w4a16_m.split(",")))}
     for part in args.parts.split(","):
         t0 = time.time()
