@@ -107,7 +107,8 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     # 64-row block takes about as long for 32 rows as for 64, and at M=64 it is 2.2-2.5x faster than four blocks of
     # 16). 64 columns over 8 warps where 128-column tiles would be fewer than 128 and K is short (qkv, o); else 128
     # (gate_up; down, whose long K then splits 8 ways). Fewer than 128 tiles: K split while each split keeps at
-    # least 1,024 inputs, up to 8 ways.
+    # least 1,024 inputs, up to 8 ways. (From DEQUANT_MIN_ROWS rows w4a16_matmul expands W instead, unless the
+    # 4-bit kernel is asked for: the autotuner, benchmarks, tests.)
     if m <= 16:
         tiles = triton.cdiv(n, 128) * triton.cdiv(m, 16)
         split_k = 1
