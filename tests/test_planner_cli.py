@@ -50,6 +50,13 @@ def test_human_output_units_and_refusal(capsys: pytest.CaptureFixture[str]) -> N
     assert rc == 1 and "raise tensor or pipeline parallelism" in out
 
 
+def test_human_output_names_the_graph_and_scratch_reserves(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H200-141GB", "--weights", "gguf-q4_1")
+    assert rc == 0 and "expansion scratch" in out and "decode graphs       0.4 GiB" in out
+    rc, out = _run(capsys, "--model", "llama-3.1-8b", "--gpu", "H200-141GB", "--enforce-eager")
+    assert rc == 0 and "expansion scratch" not in out and "decode graphs       0.0 GiB (eager decode)" in out
+
+
 def test_catalog_without_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = _run(capsys)
     assert rc == 0

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from stride.config import SchedulerConfig
-from stride.planner.formats import KV_DTYPE_BYTES, WEIGHT_FORMAT_NAMES
+from stride.planner.formats import KV_DTYPE_BYTES, WEIGHT_FORMAT_NAMES, weight_format
 from stride.planner.geometry import CATALOG, load_geometry
 from stride.planner.hardware import GPUS, GiB, get_gpu
 from stride.planner.parallel import Parallelism
@@ -96,7 +96,9 @@ def format_plan(p: Plan, d: Deployment) -> str:
             f"  weights per rank    {_gib(p.weights_bytes_per_rank)} "
             f"(whole model {_gib(p.weights_bytes_total)})",
             f"  activation reserve  {_gib(p.activation_reserve_bytes)} "
-            f"({d.max_num_batched_tokens} batched tokens, {d.max_num_seqs} sequences)",
+            f"({d.max_num_batched_tokens} batched tokens, {d.max_num_seqs} sequences"
+            + (", and the 4-bit weights' expansion scratch)" if weight_format(d.weights, d.group_size).bits == 4
+               else ")"),
             f"  decode graphs       {_gib(p.graph_reserve_bytes)}"
             + ("" if p.graph_reserve_bytes else " (eager decode)" if not d.cuda_graphs else " (MoE: eager decode)"),
             f"  KV cache per rank   {_gib(p.kv_cache_bytes_per_rank)}",
