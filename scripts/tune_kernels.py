@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="decode,extend,w4a16,rmsnorm,silu_mul")
     parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     parser.add_argument("--contexts", default="1024,4096,16384", help="decode context lengths")
-    parser.add_argument("--m", default="1,2,4,8,16", help="W4A16 row counts")
+    parser.add_argument("--m", default="1,2,4,8,16",
+                        help="W4A16 row counts (from 17 rows the worker expands W and calls cuBLAS: nothing to tune)")
     parser.add_argument("--rows", default="1,16,64,256,1024,4096", help="RMSNorm and SiLU-mul row counts")
     parser.add_argument("--chunks", default="128,512,2048", help="prefill chunk lengths (new tokens)")
     parser.add_argument("--prefill-batches", default="1,4", help="sequences per prefill step")
