@@ -45,7 +45,7 @@ def silu_mul(x: torch.Tensor, config: SiluMulConfig | None = None) -> torch.Tens
         return out
     grid = (num_rows, triton.cdiv(inter, cfg.block))
     _silu_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=cfg.block, num_warps=cfg.num_warps,
-                                **pdl_args(x))
+                           **pdl_args(x))
     return out
 
 

@@ -19,6 +19,7 @@ the codes stay exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -362,20 +363,27 @@ def _w4a16_kernel(
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _OUTGROWN: list[torch.Tensor] = []
-"""Counter buffers replaced by larger ones. Kept alive: a CUDA graph captured earlier still uses them."""
+"""Per-device buffers replaced by larger ones. Kept alive: a CUDA graph captured earlier still uses them."""
+
+
+def _kept_buffer(store: dict, key: object, numel: int, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``store[key]``, replaced by ``make(numel)`` when missing or smaller than ``numel`` (the old one kept)."""
+    buf = store.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = store[key] = make(numel)
+    return buf
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters kept per device; each kernel resets the ones it used."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    return _kept_buffer(_COUNTERS, device, n,
+                        lambda n: torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
 
 
 @triton.jit
@@ -402,13 +410,9 @@ _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def _scratch(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """A per-device matrix buffer of ``dtype``, grown to the largest weight expanded so far (the worker's layers
-    run one at a time on one stream). Replaced buffers stay alive: a CUDA graph captured earlier uses them."""
-    buf = _SCRATCH.get((device, dtype))
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-    return buf
+    run one at a time on one stream)."""
+    return _kept_buffer(_SCRATCH, (device, dtype), numel,
+                        lambda n: torch.empty(n, dtype=dtype, device=device))
 
 
 def reserve_scratch(device: torch.device, dtype: torch.dtype, numel: int) -> None:
@@ -428,11 +432,6 @@ def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
     _dequant_kernel[grid](w.qweight, w.scales, w.mins, out, k // 8, n, w.qweight.stride(0), w.scales.stride(0),
                           out.stride(0), GROUP=w.group_size, BLOCK_KW=block_kw, BLOCK_N=block_n, num_warps=4)
     return out
-
-
-def scratch_bytes(n: int, k: int, elem: int) -> int:
-    """The scratch matrix one (N, K) weight takes when expanded (``DEQUANT_MIN_ROWS`` rows and more)."""
-    return n * k * elem
 
 
 def check_weight(w: W4A16Weight) -> None:

@@ -172,6 +172,14 @@ def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
     results["extend"] = rows
 
 
+def _w4_operands(n: int, k: int, rotate_bytes: int) -> tuple[int, list[wq.W4A16Weight], list[torch.Tensor]]:
+    """Bytes of one packed (N, K) weight, and disjoint 4-bit and bf16 copies of such weights to cycle through."""
+    w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
+    ws = copies(lambda i: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+    wbf = copies(lambda i: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02, n * k * 2, rotate_bytes)
+    return w4_bytes, ws, wbf
+
+
 def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Tensor:
     return wq.w4a16_matmul(x, w, cfg, dequant=False)
 
@@ -188,10 +196,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
     print(f"{'proj':>8} {'M':>3} {'bf16 g':>7} {'w4 g':>7} {'x g':>6} {'w4 pdl':>7} {'x pdl':>6} {'bf16':>7} "
           f"{'w4':>7} {'x':>6} {'w4 TB/s':>7}  config (graph timings in us; pdl: W4A16 calls chained by PDL)")
     for name, (n, k) in GEMM_SHAPES.items():
-        w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
-        ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
-        wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
-                     n * k * 2, rotate_bytes)
+        w4_bytes, ws, wbf = _w4_operands(n, k, rotate_bytes)
         tuned: dict[int, wq.W4A16Config] = {}
         for m in batches:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
@@ -239,10 +244,7 @@ def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, 
     print(f"{'proj':>8} {'M':>5} {'bf16':>8} {'tiles':>8} {'x':>6} {'expand':>8} {'x':>6}  rel. error tiles / expand")
     totals: dict[int, list[float]] = {}
     for name, (n, k) in GEMM_SHAPES.items():
-        w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
-        ws = copies(lambda i, n=n, k=k: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
-        wbf = copies(lambda i, n=n, k=k: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02,
-                     n * k * 2, rotate_bytes)
+        _, ws, wbf = _w4_operands(n, k, rotate_bytes)
         for m in rows:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
             ref = wq.w4a16_reference(x, ws[0]).float()

@@ -101,9 +101,9 @@ def num_kv_blocks(g: ModelGeometry, free_bytes: int, block_size: int = 16, kv_dt
     may use (``total × gpu_memory_utilization``) minus what is already allocated; the planner calls it
     with usable memory minus the weights it computed. The activation reserve for a step of
     ``max_num_batched_tokens`` is subtracted first, and ``extra_reserve``: what else the worker holds, the
-    decode graphs' (:func:`decode_graph_reserve_bytes`) and 4-bit weights' scratch (:func:`expansion_scratch_bytes`).
-    Every rank of a deployment must use the minimum over
-    ranks, since a block spans all of them. Returns 0 when not even one block fits; callers refuse then.
+    decode graphs' (:func:`decode_graph_reserve_bytes`) and 4-bit weights' scratch
+    (:func:`expansion_scratch_bytes`). Every rank of a deployment must use the minimum over ranks, since a
+    block spans all of them. Returns 0 when not even one block fits; callers refuse then.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -135,8 +135,9 @@ def plan(d: Deployment, suggest: bool = True) -> Plan:
 
     by_rank = rank_weight_bytes(g, fmt, par)
     weights = max(by_rank)
+    blocks_per = lambda c: -(-c // d.block_size)
     act_reserve = activation_reserve_bytes(g, par, d.max_num_batched_tokens, d.max_num_seqs)
-    graph_reserve = (decode_graph_reserve_bytes(g, par, d.max_num_seqs, -(-d.required_len // d.block_size))
+    graph_reserve = (decode_graph_reserve_bytes(g, par, d.max_num_seqs, blocks_per(d.required_len))
                      if d.cuda_graphs else 0)
     scratch = expansion_scratch_bytes(g, par) if fmt.bits == 4 else 0
     act_reserve += scratch  # a step's workspace too
@@ -147,7 +148,6 @@ def plan(d: Deployment, suggest: bool = True) -> Plan:
                                    d.max_num_batched_tokens, d.max_num_seqs, extra_reserve=graph_reserve + scratch)
                      for w in set(by_rank))
     tokens = num_blocks * d.block_size
-    blocks_per = lambda c: -(-c // d.block_size)
     concurrency = {c: (None if g.max_context and c > g.max_context else num_blocks // blocks_per(c))
                    for c in CONTEXTS}
     reason = ""

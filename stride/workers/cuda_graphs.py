@@ -204,7 +204,8 @@ class DecodeGraphs:
             return g
         start = time.perf_counter()
         # Eagerly first, with every row padding: compiles the kernels, loads their configs and allocates what
-        # launchers keep per device (the W4A16 arrival counters) outside the graph.
+        # launchers keep per device (the W4A16 arrival counters; its scratch matrix, reserved at load) outside
+        # the graph.
         self._forward(g)
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()

@@ -25,8 +25,6 @@ from stride.workers.models.layers import W4A16Linear, use_fused_kernels
 
 log = logging.getLogger(__name__)
 
-"""Largest decode batch replayed from a CUDA graph; larger steps launch eagerly (and are not launch-bound)."""
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,8 +87,8 @@ class ModelRunner:
         self.block_size = block_size
         if num_blocks is None:
             free = free_device_bytes(self.device, memory_utilization)
-            # With decode graphs their buffers are reserved too (the planner's formula): they are allocated as
-            # buckets are first used, mid-serving, after the cache took its share.
+            # With decode graphs their buffers are reserved too (the planner's formula): they are allocated at
+            # capture, after the cache took its share (at start, and for longer contexts on first use).
             num_blocks = num_blocks_for_memory(
                 self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs,
                 graph_table_width=-(-max_model_len // block_size) if graphs else 0,
