@@ -12,7 +12,8 @@ group_size must be a multiple of 8 (GGUF uses 32).
 
 From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
 W once into a per-device scratch matrix of x's dtype and multiplies that with cuBLAS: there the product is bound
-by matrix throughput, which the 4-bit kernels (exact per-group scaling on CUDA cores) do not reach. The weights
+by matrix throughput, which the 4-bit kernels (exact per-group scaling on CUDA cores) do not reach. It does the
+same from 9 rows for a weight too small for the tile kernel to fill the GPU (:data:`TILE_MIN_PROGRAMS`). The weights
 are then rounded to x's dtype (bfloat16: 8 significant bits), as a 16-bit checkpoint's are; below the threshold
 the codes stay exact.
 """
@@ -67,8 +68,15 @@ class W4A16Config:
 
 DEQUANT_MIN_ROWS = 17
 """Rows from which :func:`w4a16_matmul` expands W into a scratch matrix and calls cuBLAS. H200, Llama-3.1-8B
-layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (233 vs 274 us), from 32 the expansion (273 vs 317;
+layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (230 vs 273 us), from 32 the expansion (273 vs 317;
 1,421 vs 7,543 us at 2,048 rows)."""
+
+TILE_MIN_PROGRAMS = 128
+"""Below :data:`DEQUANT_MIN_ROWS`, rows past the GEMV (9-16) are still expanded when the tile kernel would run
+fewer programs than this: each program walks its K range one 32-input group at a time, so a grid that does not
+fill the GPU is bound by that chain. H200 (docs/perf.md), 16 rows: SmolLM2-135M's projections (5-24 programs)
+took 21-31 us on the tiles against 5.4-6.8 us expanded; Llama-3.1-8B's (256-448 programs) were faster on the
+tiles."""
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
@@ -455,7 +463,8 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     """x: (M, K) float16/bfloat16 (float32 allowed for tests); returns (M, N) in x's dtype.
 
     ``dequant``: expand W into the scratch matrix and multiply with cuBLAS (weights rounded to x's dtype); None
-    does so from :data:`DEQUANT_MIN_ROWS` rows, whatever ``config`` says (it configures the 4-bit kernel).
+    does so from :data:`DEQUANT_MIN_ROWS` rows whatever ``config`` says (it configures the 4-bit kernel), and
+    from 9 rows when the tile kernel's grid would hold fewer than :data:`TILE_MIN_PROGRAMS` programs.
 
     One launch for the 4-bit kernel (two: expansion and matmul). Calls that split K share per-device arrival
     counters, and the expansion a per-device scratch matrix: issue them on one stream (the worker's), and make
@@ -467,10 +476,12 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     check_last_contiguous("x", x)
     m, k = x.shape
     n = w.out_features
-    if dequant if dequant is not None else m >= DEQUANT_MIN_ROWS:
+    cfg = config or default_config(m, n, k, w.group_size)
+    if dequant is None:
+        dequant = m >= DEQUANT_MIN_ROWS or (not cfg.gemv and _tile_programs(m, n, k, cfg) < TILE_MIN_PROGRAMS)
+    if dequant:
         wt = dequantize_into(w, _scratch(x.device, x.dtype, k * n)[: k * n].view(k, n))
         return x @ wt
-    cfg = config or default_config(m, n, k, w.group_size)
     assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
     assert not cfg.gemv or cfg.block_m in (1, 2, 4), f"a GEMV program takes 1, 2 or 4 rows, not {cfg.block_m}"
     # Whole groups per step (check_weight: a group is whole words); the GEMV's step a power of two of them.
@@ -478,8 +489,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     groups = cfg.block_k // w.group_size
     assert not cfg.gemv or groups & (groups - 1) == 0, (
         f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    k_per_split, split_k = _k_split(k, cfg)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     num_m, num_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     grid = (num_m, num_n, split_k) if cfg.gemv else (num_n, num_m, split_k)
@@ -496,6 +506,16 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
     )
     return out
+
+
+def _k_split(k: int, cfg: W4A16Config) -> tuple[int, int]:
+    """(inputs per split, splits): whole steps per split, so the splits taken can be fewer than asked."""
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _tile_programs(m: int, n: int, k: int, cfg: W4A16Config) -> int:
+    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * _k_split(k, cfg)[1]
 
 
 def dequantize(w: W4A16Weight) -> torch.Tensor:

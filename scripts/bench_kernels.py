@@ -35,6 +35,8 @@ from kernels.silu_mul import silu_mul
 CUDA = torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # Llama-3.1-8B
 GEMM_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SMOLLM2_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+"""SmolLM2-135M's projections (N, K): hidden 576, 9 query and 3 KV heads of 64, intermediate 1536."""
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -235,7 +237,8 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
 
 
 def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
-                     rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 2048)) -> None:
+                     rows: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 2048),
+                     shapes: dict[str, tuple[int, int]] = GEMM_SHAPES, label: str = "w4a16_rows") -> None:
     """W4A16 at many rows: the 4-bit tile kernel (launcher default) against expanding W into the scratch matrix
     and multiplying with cuBLAS (what ``w4a16_matmul`` does from ``DEQUANT_MIN_ROWS``), and bf16 ``F.linear``;
     graphs, each path's error against the float32 reference. No tuning."""
@@ -243,7 +246,7 @@ def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, 
     print("\nW4A16 by rows: 4-bit tiles vs expand + cuBLAS vs bf16 F.linear (graphs, us; x = bf16 / path)")
     print(f"{'proj':>8} {'M':>5} {'bf16':>8} {'tiles':>8} {'x':>6} {'expand':>8} {'x':>6}  rel. error tiles / expand")
     totals: dict[int, list[float]] = {}
-    for name, (n, k) in GEMM_SHAPES.items():
+    for name, (n, k) in shapes.items():
         _, ws, wbf = _w4_operands(n, k, rotate_bytes)
         for m in rows:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
@@ -265,7 +268,7 @@ def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, 
     for m, (bf, tiles, expand) in totals.items():
         print(f"   layer {m:>5} {bf * 1e3:>8.1f} {tiles * 1e3:>8.1f} {bf / tiles:>5.2f}x {expand * 1e3:>8.1f} "
               f"{bf / expand:>5.2f}x")
-    results["w4a16_rows"] = out
+    results[label] = out
 
 
 def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool) -> None:
@@ -303,7 +306,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_kernels.json")
     parser.add_argument("--parts", default="decode,extend,w4a16,rows",
-                        help="comma-separated: decode, extend, w4a16, rows, w4rows (W4A16 tiles vs expansion by rows)")
+                        help="comma-separated: decode, extend, w4a16, rows, w4rows (W4A16 tiles vs expansion by rows, "
+                             "Llama-3.1-8B shapes), w4rows-smollm2 (the same at SmolLM2-135M's shapes)")
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--rotate-mb", type=int, default=512)
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
@@ -320,6 +324,8 @@ def main() -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
              "extend": bench_extend, "rows": bench_rows_kernel, "w4rows": bench_w4a16_rows,
+             "w4rows-smollm2": partial(bench_w4a16_rows, rows=(8, 16, 17, 24, 32, 64, 128, 512, 2048),
+                                       shapes=SMOLLM2_SHAPES, label="w4a16_rows_smollm2"),
              "w4a16": partial(bench_w4a16, batches=tuple(int(m) for m in args.w4a16_m.split(",")))}
     for part in args.parts.split(","):
         t0 = time.time()

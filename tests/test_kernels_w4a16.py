@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import w4a16 as w4
 from kernels.w4a16 import (
     DEQUANT_MIN_ROWS,
+    TILE_MIN_PROGRAMS,
     W4A16Config,
     W4A16Weight,
     dequantize,
@@ -99,6 +101,28 @@ def test_batched_rows_default_paths():
     expanded, tiles = w4a16_matmul(x, w), w4a16_matmul(x, w, dequant=False)
     assert torch.equal(expanded, x @ dequantize_into(w, torch.empty(k, n, dtype=torch.bfloat16, device=DEVICE)))
     assert _rel_err(expanded, ref) <= 8e-3 and _rel_err(tiles, ref) <= 8e-3
+
+
+def test_small_tile_grid_expands(monkeypatch):
+    """16 rows (past the GEMV, below DEQUANT_MIN_ROWS): a weight whose tile grid holds fewer than
+    TILE_MIN_PROGRAMS programs is expanded; one whose grid fills the GPU runs on the 4-bit tiles, codes exact.
+    Both agree with the reference."""
+    expanded = []
+    real = w4.dequantize_into
+    monkeypatch.setattr(w4, "dequantize_into", lambda w, out: expanded.append(w) or real(w, out))
+    x = torch.randn((16, 32), generator=torch.Generator().manual_seed(16)).to(torch.bfloat16).to(DEVICE)
+    small, wide = random_weight(96, 32, device=DEVICE, seed=3), random_weight(16 * TILE_MIN_PROGRAMS, 32, device=DEVICE)
+    narrow_tiles = W4A16Config(block_m=16, block_n=16, block_k=32)  # one program per 16 columns
+    assert w4._tile_programs(16, 96, 32, narrow_tiles) == 6
+    assert w4._tile_programs(16, 16 * TILE_MIN_PROGRAMS, 32, narrow_tiles) == TILE_MIN_PROGRAMS
+    out_small = w4a16_matmul(x, small, narrow_tiles)
+    assert expanded == [small]
+    out_wide = w4a16_matmul(x, wide, narrow_tiles)
+    assert expanded == [small]  # the tiles, not the expansion
+    assert _rel_err(out_small, w4a16_reference(x, small)) <= 8e-3
+    assert _rel_err(out_wide, w4a16_reference(x, wide)) <= 8e-3
+    w4a16_matmul(x[:8], small)  # 8 rows: the GEMV, exact codes, whatever its grid
+    assert expanded == [small]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
