@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import Any
 
@@ -16,7 +17,7 @@ import zmq.asyncio
 
 from stride.config import StrideConfig
 from stride.frontend.auth import Authenticator
-from stride.frontend.backend import Backend
+from stride.frontend.backend import RECEIVE_BURST, Backend
 from stride.frontend.errors import ApiError
 from stride.frontend.metrics import FrontendMetrics
 from stride.frontend.protocol import parse_client
@@ -66,7 +67,9 @@ class ClientServer:
             self._ctx.term()
 
     async def _serve(self) -> None:
-        while True:
+        for n in itertools.count(1):
+            if n % RECEIVE_BURST == 0:
+                await asyncio.sleep(0)  # a flood of requests must not starve the streams (see RECEIVE_BURST)
             frames = await self._sock.recv_multipart()
             if len(frames) != 2:
                 log.error("client socket: dropped a message of %d frames", len(frames))
