@@ -10,6 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from aiohttp import web
 from test_frontend_fake import BLOCK, LiveServer, wait_for
 
 from stride.config import ServerConfig, StrideConfig
@@ -85,6 +86,29 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len("stream me")
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_writes_coalesce_only_what_arrived_together(client: openai.OpenAI,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deltas that reach the frontend together (the fake sends 300 back to back) go out in a few writes, all
+    tokens in order; deltas that arrive apart (SLOW: one per 50 ms) each get their own write, at once. Negative
+    control: counted the same way, the 300-token stream took 300+ writes before writes were coalesced."""
+    writes: list[bytes] = []
+    real = web.StreamResponse.write
+
+    async def counting(self: web.StreamResponse, data: bytes) -> None:
+        writes.append(bytes(data))
+        await real(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counting)
+    stream = client.completions.create(model=MODEL, prompt="flood", max_tokens=300, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == words(300)
+    assert len(writes) <= 300 // 4
+    assert b"".join(writes).count(b"data: ") == 300 + 1  # every event, then [DONE]
+    writes.clear()
+    stream = client.completions.create(model=MODEL, prompt="SLOW", max_tokens=5, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == words(5)
+    assert [w.count(b"data: ") for w in writes[:4]] == [1, 1, 1, 1]
 
 
 def test_completions_text_and_token_ids(client: openai.OpenAI, server: LiveServer) -> None:

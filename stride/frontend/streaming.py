@@ -45,6 +45,7 @@ class Generation:
         self._t0 = time.perf_counter()
         self._first_at: float | None = None
         self._last_at = [0.0] * req.n
+        self._stream: RequestStream | None = None
 
     async def deltas(self) -> AsyncGenerator[tuple[int, TextDelta], None]:
         """Yield ``(choice index, delta)`` until every sequence finishes; :class:`ApiError` on a failure."""
@@ -55,7 +56,8 @@ class Generation:
         running.inc()
         stream: RequestStream | None = None
         try:
-            stream = await self.backend.submit(self.req_id, self.req.sequences(self.req_id, self.tenant))
+            stream = self._stream = await self.backend.submit(self.req_id,
+                                                              self.req.sequences(self.req_id, self.tenant))
             remaining = self.req.n
             while remaining:
                 index, msg = await stream.queue.get()
@@ -74,6 +76,11 @@ class Generation:
             running.dec()
             if stream is not None:
                 self.backend.close(stream)
+
+    @property
+    def num_ready(self) -> int:
+        """Deltas already received and not yet taken by :meth:`deltas` (the next ones come without waiting)."""
+        return self._stream.queue.qsize() if self._stream is not None else 0
 
     def _record(self, index: int, d: TextDelta) -> None:
         c = self.choices[index]
@@ -107,11 +114,14 @@ class Generation:
 
     async def stream(self, request: web.Request, model: str) -> web.StreamResponse:
         """Answer with server-sent events. Waits for the first delta before sending headers, so a refusal
-        (429, 400 for a too-long prompt) is still a proper HTTP status."""
+        (429, 400 for a too-long prompt) is still a proper HTTP status. The events of deltas that arrived
+        together go out in one write: a single delta under light load, several when the frontend is behind
+        (one write per token per stream would then bound the server's throughput)."""
         chat, inc = self.req.chat, self.req.include_usage
         want_lp = self.req.params.logprobs is not None
         resp: web.StreamResponse | None = None
         offsets = [0] * self.req.n
+        events: list[bytes] = []
         failed = False
         it = self.deltas()
         try:
@@ -121,29 +131,32 @@ class Generation:
                                                        "Cache-Control": "no-cache"})
                     await resp.prepare(request)
                     if chat:
-                        for i in range(self.req.n):
-                            await _send(resp, R.chunk(True, self.req_id, self.created, model, i, text="",
-                                                      role=True, include_usage=inc))
+                        events += [_event(R.chunk(True, self.req_id, self.created, model, i, text="", role=True,
+                                                  include_usage=inc)) for i in range(self.req.n)]
                 if d.text or d.token_ids or d.finish_reason is not None:
-                    await _send(resp, R.chunk(chat, self.req_id, self.created, model, index,
-                                              text=d.text, logprobs=d.logprobs if want_lp else None,
-                                              text_offset=offsets[index], finish=d.finish_reason,
-                                              include_usage=inc))
+                    events.append(_event(R.chunk(chat, self.req_id, self.created, model, index,
+                                                 text=d.text, logprobs=d.logprobs if want_lp else None,
+                                                 text_offset=offsets[index], finish=d.finish_reason,
+                                                 include_usage=inc)))
                 offsets[index] += len(d.text)
+                if events and not self.num_ready:
+                    await resp.write(b"".join(events))
+                    events.clear()
         except ApiError as e:
             if resp is None:
                 raise
             failed = True
-            await _send(resp, e.body())  # headers are gone: report in-band, as OpenAI-compatible servers do
+            events.append(_event(e.body()))  # headers are gone: report in-band, as OpenAI-compatible servers do
         finally:
             await it.aclose()
         assert resp is not None
         if inc and not failed:
-            await _send(resp, R.usage_chunk(chat, self.req_id, self.created, model, self.choices))
-        await resp.write(b"data: [DONE]\n\n")
+            events.append(_event(R.usage_chunk(chat, self.req_id, self.created, model, self.choices)))
+        events.append(b"data: [DONE]\n\n")
+        await resp.write(b"".join(events))
         await resp.write_eof()
         return resp
 
 
-async def _send(resp: web.StreamResponse, body: dict[str, object]) -> None:
-    await resp.write(b"data: " + orjson.dumps(body) + b"\n\n")
+def _event(body: dict[str, object]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
