@@ -270,6 +270,25 @@ def test_worker_dead_turns_health_red() -> None:
         assert code == 503 and headers["Retry-After"] == "1"
 
 
+def test_shutdown_ends_streams_with_an_error_event() -> None:
+    """A Shutdown reaching the frontend mid-stream: the stream ends with an in-band 503 error and [DONE] (it was
+    cut off when the server stopped), /health turns red, and a new request is refused with 503."""
+    from stride.ipc.messages import Shutdown
+    config = make_config()
+    with LiveServer(config) as srv, _cleanup(config):
+        conn, resp, _ = _open_stream(srv.url, {"prompt": "SLOW", "max_tokens": 2000, "stream": True})
+        srv.call(srv.fake.send(Shutdown(reason="launcher")))
+        rest = resp.read()
+        conn.close()
+        lines = [line.strip() for line in rest.split(b"\n\n")]  # (rest starts mid-event)
+        events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+        assert events[-1]["error"]["code"] == "shutting_down" and "shutting down" in events[-1]["error"]["message"]
+        assert rest.endswith(b"data: [DONE]\n\n")
+        code, _, data = raw(srv.url, "GET", "/health")
+        assert code == 503 and "shutting down" in json.loads(data)["reason"]
+        assert raw(srv.url, "POST", "/v1/completions", json.dumps({"prompt": "hi"}))[0] == 503
+
+
 def test_tenants_and_api_keys(tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("# key tenant\nkey-a alice\nkey-b   bob  # trailing comment\n\n")

@@ -167,6 +167,7 @@ async def serve(config: StrideConfig, *, report_ready: bool = True) -> None:
             _report(config, ProcessReady(role="frontend", info={"host": config.server.host, "port": port,
                                                                  "model": app[MODEL]}))
         await app[STOP].wait()
+        app[BACKEND].shut_down("stopped")  # a signal: streams in flight end with an error event, not cut off
     finally:
         await runner.cleanup()
 

@@ -32,6 +32,7 @@ from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
 log = logging.getLogger(__name__)
 
 WORKER_DEAD = "worker_dead"
+SHUTTING_DOWN = "shutting_down"
 
 RECEIVE_BURST = 32
 """Messages a receive loop handles before it yields to the event loop. Awaiting a ZeroMQ receive that finds a
@@ -160,7 +161,7 @@ class Backend:
                 self.on_stats(msg)
             return
         if isinstance(msg, Shutdown):
-            self.mark_unhealthy(f"shutting down: {msg.reason}")
+            self.shut_down(msg.reason)
             if self.on_shutdown is not None:
                 self.on_shutdown(msg.reason)
             return
@@ -168,11 +169,20 @@ class Backend:
         if isinstance(msg, RequestFailed) and msg.code == WORKER_DEAD:
             self.mark_unhealthy(msg.message)
             if not msg.req_id:  # broadcast: every request in flight fails
-                for seq_id in list(self._streams):
-                    self._deliver(RequestFailed(req_id=seq_id, status=msg.status, message=msg.message,
-                                                code=msg.code))
+                self.fail_all(msg.status, msg.message, msg.code)
                 return
         self._deliver(msg)
+
+    def shut_down(self, reason: str) -> None:
+        """Refuse new requests and end every one in flight with an error, so a stream closes with an error
+        event rather than being cut off when the server stops. Idempotent."""
+        self.mark_unhealthy(f"shutting down: {reason}")
+        self.fail_all(503, f"the server is shutting down: {reason}", SHUTTING_DOWN)
+
+    def fail_all(self, status: int, message: str, code: str) -> None:
+        """Fail every sequence in flight (its stream gets a :class:`RequestFailed`)."""
+        for seq_id in list(self._streams):
+            self._deliver(RequestFailed(req_id=seq_id, status=status, message=message, code=code))
 
     def _deliver(self, msg: TextDelta | RequestFailed) -> None:
         entry = self._streams.get(msg.req_id)
