@@ -88,7 +88,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_stream_writes_coalesce_only_what_arrived_together(client: openai.OpenAI,
+def test_stream_writes_coalesce_only_what_arrived_together(client: openai.OpenAI, server: LiveServer,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Deltas that reach the frontend together (the fake sends 300 back to back) go out in a few writes, all
     tokens in order; deltas that arrive apart (SLOW: one per 50 ms) each get their own write, at once. Negative
@@ -105,6 +105,12 @@ def test_stream_writes_coalesce_only_what_arrived_together(client: openai.OpenAI
     assert "".join(c.choices[0].text for c in stream) == words(300)
     assert len(writes) <= 300 // 4
     assert b"".join(writes).count(b"data: ") == 300 + 1  # every event, then [DONE]
+    writes.clear()
+    code, _, body = raw(server.url, "POST", "/v1/completions",
+                        json.dumps({"model": MODEL, "prompt": "FAILAFTER3", "max_tokens": 9, "stream": True}))
+    events = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    assert code == 200 and "".join(e["choices"][0]["text"] for e in events[:-1]) == words(3)
+    assert events[-1]["error"]["message"] == "fake failure after 3"  # after the tokens that came before it
     writes.clear()
     stream = client.completions.create(model=MODEL, prompt="SLOW", max_tokens=5, stream=True)
     assert "".join(c.choices[0].text for c in stream) == words(5)

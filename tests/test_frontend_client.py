@@ -82,6 +82,25 @@ def test_generate_text_and_token_ids(dealer: Dealer, server: LiveServer) -> None
     assert outs[0].logprobs is not None and len(outs[0].logprobs[0]["top_logprobs"]) == 1
 
 
+def test_outputs_coalesce_only_what_arrived_together(dealer: Dealer) -> None:
+    """300 deltas sent back to back reach the client in a few outputs holding every token, logprob and count;
+    deltas that arrive apart (SLOW: one per 50 ms) each get their own output. Negative control: before outputs
+    were coalesced, the 300 came as 300."""
+    dealer.send(ClientGenerate(req_id="f", api_key="secret", prompt="flood",
+                               params={"max_tokens": 300, "logprobs": 0}))
+    outs = dealer.until_done("f")
+    assert "".join(o.text for o in outs) == "".join(f"w{i} " for i in range(300))
+    assert [t for o in outs for t in o.token_ids] == [1000 + i for i in range(300)]
+    assert sum(len(o.logprobs or []) for o in outs) == 300 and all(o.logprobs for o in outs)
+    assert outs[-1].num_output_tokens == 300 and outs[-1].finish_reason == "length"
+    assert len(outs) <= 300 // 4
+    dealer.send(ClientGenerate(req_id="s", api_key="secret", prompt="SLOW", params={"max_tokens": 4}))
+    assert [o.text for o in dealer.until_done("s")] == ["w0 ", "w1 ", "w2 ", "w3 "]
+    dealer.send(ClientGenerate(req_id="e", api_key="secret", prompt="FAILAFTER3", params={"max_tokens": 9}))
+    outs = dealer.until_done("e")  # the tokens that came before the failure, then the failure
+    assert "".join(o.text for o in outs) == "w0 w1 w2 " and outs[-1].status == 503 and outs[-1].error
+
+
 def test_refusals(dealer: Dealer, server: LiveServer) -> None:
     before = len(server.fake.generates)
     cases = [

@@ -3,7 +3,8 @@
 The fake answers each ``GenerateRequest`` with one ``TextDelta`` per token. Output text is ``w0 w1 ...``
 (``s<seed>_0 ...`` when seeded), the prompt "tokenizes" to its UTF-8 bytes, and a prompt seen before
 under the same tenant reports its full 16-token blocks as cached, so tenant isolation is visible.
-Prompts containing ``FAIL429`` / ``FAIL503`` / ``TOOLONG`` are refused; ``SLOW`` emits a token every 50 ms.
+Prompts containing ``FAIL429`` / ``FAIL503`` / ``TOOLONG`` are refused; ``SLOW`` emits a token every 50 ms;
+``FAILAFTER3`` emits three tokens and then fails (503), back to back.
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ class FakeBackend:
                 await self.send(RequestFailed(req_id=req.req_id, status=status, message=f"fake {marker}",
                                               code=marker.lower()))
                 return
+        if "FAILAFTER3" in text:  # three tokens, then a failure, back to back
+            for i in range(3):
+                await self.send(TextDelta(req_id=req.req_id, text=f"w{i} ", token_ids=[1000 + i],
+                                          num_prompt_tokens=len(ids), num_output_tokens=i + 1))
+            await self.send(RequestFailed(req_id=req.req_id, status=503, message="fake failure after 3"))
+            return
         if "HALFFAIL" in text and req.req_id.endswith("-1"):
             await asyncio.sleep(0.1)  # let sequence 0 get going first
             await self.send(RequestFailed(req_id=req.req_id, status=503, message="fake half failure"))

@@ -23,7 +23,7 @@ from stride.frontend.metrics import FrontendMetrics
 from stride.frontend.protocol import parse_client
 from stride.frontend.streaming import Generation
 from stride.ipc.codec import Decoder, encode
-from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, ClientOutput, Message
+from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, ClientOutput, Message, TextDelta
 from stride.ipc.queues import HWM, LINGER_MS
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class ClientServer:
         await self._sock.send_multipart([identity, encode(out)])
 
     async def _generate(self, identity: bytes, msg: ClientGenerate) -> None:
+        """Deltas that arrived together go out as one output (as the HTTP stream writes them at once)."""
+        pending: list[TextDelta] = []
         try:
             tenant = self.auth.tenant_for_key(msg.api_key)
             parsed = parse_client(msg.prompt, msg.prompt_token_ids, msg.messages, msg.params,
@@ -102,12 +104,14 @@ class ClientServer:
             gen = Generation(self.backend, self.metrics, parsed, tenant, self.config.server.retry_after_s)
             async with contextlib.aclosing(gen.deltas()) as deltas:  # aborts what is unfinished on exit
                 async for _, d in deltas:
-                    await self._send(identity, ClientOutput(
-                        req_id=msg.req_id, text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                        num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
-                        num_output_tokens=d.num_output_tokens, logprobs=d.logprobs))
+                    pending.append(d)
+                    if not gen.num_ready:
+                        await self._send(identity, _output(msg.req_id, pending))
+                        pending.clear()
         except ApiError as e:
             with contextlib.suppress(zmq.ZMQError):
+                if pending:  # what arrived before the failure still reaches the client, first
+                    await self._send(identity, _output(msg.req_id, pending))
                 await self._send(identity, ClientOutput(req_id=msg.req_id, status=e.status, error=e.message))
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
@@ -118,3 +122,14 @@ class ClientServer:
             with contextlib.suppress(zmq.ZMQError):
                 await self._send(identity, ClientOutput(req_id=msg.req_id, status=500,
                                                         error=f"internal error: {type(e).__name__}"))
+
+
+def _output(req_id: str, deltas: list[TextDelta]) -> ClientOutput:
+    """One output holding several deltas of a request: texts, tokens and logprobs joined, counts of the last."""
+    last = deltas[-1]
+    asked = any(d.logprobs is not None for d in deltas)
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()] if asked else None
+    return ClientOutput(req_id=req_id, text="".join(d.text for d in deltas),
+                        token_ids=[t for d in deltas for t in d.token_ids], finish_reason=last.finish_reason,
+                        num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+                        num_output_tokens=last.num_output_tokens, logprobs=logprobs)
