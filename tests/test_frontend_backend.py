@@ -1,4 +1,4 @@
-"""The frontend's Backend under a flood of deltas: streams see their tokens while more are still arriving."""
+"""asyncio receive loops under a flood: the frontend's Backend and the async client's reader let their consumers run."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import time
 
 import zmq
 
-from stride.frontend.backend import RECEIVE_BURST, Backend, RequestStream
+from stride.frontend.backend import Backend, RequestStream
 from stride.ipc.codec import encode
 from stride.ipc.messages import TextDelta
+from stride.ipc.queues import RECEIVE_BURST
 from stride.ipc.rundir import make_ipc_config, remove_run_dir
 
 FLOOD = 600
@@ -60,4 +61,46 @@ def test_streams_are_served_during_a_flood_of_deltas() -> None:
     waiting, not the whole flood (without the yield it woke to all 600), and still reads every delta in order."""
     backlog, texts = asyncio.run(_first_wakeup_backlog())
     assert texts == [f"t{i}" for i in range(FLOOD)]
+    assert backlog <= RECEIVE_BURST < FLOOD
+
+
+async def _client_first_wakeup_backlog() -> tuple[int, int]:
+    """The async client's reader under a flood: FLOOD outputs for one request queued at its socket before the
+    reader's first turn; how many were on the request's queue when its consumer first woke, and how many it read."""
+    from stride.client import AsyncClient
+    from stride.ipc.codec import Decoder
+    from stride.ipc.messages import TO_CLIENT_SERVER, ClientGenerate, ClientOutput
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = AsyncClient(f"tcp://127.0.0.1:{port}")
+    try:
+        req_id, queue = await client._submit("hi", None, None, {})
+        identity, frame = router.recv_multipart()
+        req = Decoder(TO_CLIENT_SERVER).decode(frame)
+        assert isinstance(req, ClientGenerate) and req.req_id == req_id
+        for i in range(FLOOD):
+            router.send_multipart([identity, encode(ClientOutput(
+                req_id=req_id, text=f"t{i}", token_ids=[i], finish_reason="length" if i == FLOOD - 1 else None))])
+        time.sleep(0.5)  # blocks the loop: every output reaches the client's socket before its reader runs
+        await queue.get()
+        backlog = queue.qsize() + 1
+        read = 1
+        while True:
+            out = await asyncio.wait_for(queue.get(), 10)
+            read += 1
+            if out.finish_reason is not None:
+                return backlog, read
+    finally:
+        await client.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_async_client_reader_yields_during_a_flood() -> None:
+    """As the frontend's receiver: the client's reader yields every RECEIVE_BURST outputs, so a request's
+    consumer runs while the flood is still being read (without the yield it woke to all 600), and gets them all."""
+    backlog, read = asyncio.run(_client_first_wakeup_backlog())
+    assert read == FLOOD
     assert backlog <= RECEIVE_BURST < FLOOD

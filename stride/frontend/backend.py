@@ -27,18 +27,12 @@ from stride.ipc.messages import (
     Shutdown,
     TextDelta,
 )
-from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
+from stride.ipc.queues import RECEIVE_BURST, AsyncPullQueue, AsyncPushQueue
 
 log = logging.getLogger(__name__)
 
 WORKER_DEAD = "worker_dead"
 SHUTTING_DOWN = "shutting_down"
-
-RECEIVE_BURST = 32
-"""Messages a receive loop handles before it yields to the event loop. Awaiting a ZeroMQ receive that finds a
-message waiting returns without yielding, so under a steady flood of deltas a loop that never yields would starve
-every response writer: each stream's tokens then reached its client in one burst at the end (H200, SmolLM2 at 128
-concurrent streams: the first token came with the last, about a second after the request)."""
 
 Event = tuple[int, TextDelta | RequestFailed]
 """(sequence index within the request, what arrived for it)."""

@@ -17,14 +17,14 @@ import zmq.asyncio
 
 from stride.config import StrideConfig
 from stride.frontend.auth import Authenticator
-from stride.frontend.backend import RECEIVE_BURST, Backend
+from stride.frontend.backend import Backend
 from stride.frontend.errors import ApiError
 from stride.frontend.metrics import FrontendMetrics
 from stride.frontend.protocol import parse_client
 from stride.frontend.streaming import Generation
 from stride.ipc.codec import Decoder, encode
 from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, ClientOutput, Message, TextDelta
-from stride.ipc.queues import HWM, LINGER_MS
+from stride.ipc.queues import HWM, LINGER_MS, RECEIVE_BURST
 
 log = logging.getLogger(__name__)
 
