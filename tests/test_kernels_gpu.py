@@ -101,7 +101,8 @@ def test_gate_rejects_broken_variants_when_compiled():
 
 
 def test_pdl_chain_in_a_graph_equals_eager():
-    """A dependent chain of every PDL kernel (RMSNorm+residual, the W4A16 GEMV with and without split-K, SiLU-mul,
+    """A dependent chain of every PDL kernel (RMSNorm+residual, the W4A16 GEMV one row per program with its first
+    step's weights staged before the wait, and two rows per program with split-K, which wait first; SiLU-mul,
     RoPE in place, split decode attention and its reduction), captured in a CUDA graph with programmatic
     dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each kernel reads what
     the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten memory."""
@@ -128,7 +129,7 @@ def test_pdl_chain_in_a_graph_equals_eager():
         for _ in range(3):
             seen.append(pdl_args(h))
             normed, r = rmsnorm(h, norm_w, 1e-5, r)
-            up = silu_mul(w4a16_matmul(normed, w_up, gemv))
+            up = silu_mul(w4a16_matmul(normed, w_up, dataclasses.replace(gemv, block_m=1)))
             q = w4a16_matmul(up, w_down, gemv_split).view(batch, HEADS, HEAD_DIM)
             kk = q[:, :KV_HEADS].clone()
             apply_rope_cos_sin(q, kk, cos, sin)
