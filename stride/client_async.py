@@ -29,7 +29,7 @@ from stride.client_common import (
 )
 from stride.ipc.codec import Decoder, encode
 from stride.ipc.messages import TO_CLIENT, ClientAbort, ClientOutput, Message
-from stride.ipc.queues import RECEIVE_BURST
+from stride.ipc.queues import Turns
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +174,13 @@ class AsyncClient:
 
     async def _read(self) -> None:
         try:
-            for n in itertools.count(1):
+            turns = Turns()  # the requests' consumers run during a flood of outputs
+            while True:
                 msg = self._decoder.decode_or_log(await self._sock.recv())
+                await turns.taken()
                 # Outputs of ids no longer open are late ones of aborted requests.
                 if isinstance(msg, ClientOutput) and msg.req_id in self._queues:
                     self._queues[msg.req_id].put_nowait(msg)
-                if n % RECEIVE_BURST == 0:
-                    await asyncio.sleep(0)  # let the requests' consumers run (see RECEIVE_BURST)
         except zmq.ZMQError as e:
             log.error("stride client: socket failed: %s", e)
             self._fail_open(f"socket failed: {e}")

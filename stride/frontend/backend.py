@@ -27,7 +27,7 @@ from stride.ipc.messages import (
     Shutdown,
     TextDelta,
 )
-from stride.ipc.queues import RECEIVE_BURST, AsyncPullQueue, AsyncPushQueue
+from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,12 @@ class Backend:
 
     async def _receive(self) -> None:
         assert self._pull is not None
-        for n in itertools.count(1):
-            msg = await self._pull.get()
+        while True:
+            msg = await self._pull.get()  # lets the writers run every RECEIVE_BURST messages
             try:
                 self._dispatch(msg)
             except Exception:
                 log.exception("frontend: failed to dispatch %s", type(msg).__name__)
-            if n % RECEIVE_BURST == 0:
-                await asyncio.sleep(0)  # let the writers run (see RECEIVE_BURST)
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, SchedulerStats):

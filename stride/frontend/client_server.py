@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from typing import Any
 
@@ -24,7 +23,7 @@ from stride.frontend.protocol import parse_client
 from stride.frontend.streaming import Generation
 from stride.ipc.codec import Decoder, encode
 from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, ClientOutput, Message, TextDelta
-from stride.ipc.queues import HWM, LINGER_MS, RECEIVE_BURST
+from stride.ipc.queues import HWM, LINGER_MS, Turns
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +66,10 @@ class ClientServer:
             self._ctx.term()
 
     async def _serve(self) -> None:
-        for n in itertools.count(1):
-            if n % RECEIVE_BURST == 0:
-                await asyncio.sleep(0)  # a flood of requests must not starve the streams (see RECEIVE_BURST)
+        turns = Turns()  # a flood of requests must not starve the streams
+        while True:
             frames = await self._sock.recv_multipart()
+            await turns.taken()
             if len(frames) != 2:
                 log.error("client socket: dropped a message of %d frames", len(frames))
                 continue

@@ -7,6 +7,7 @@ Sockets close with a short linger, so a process can shut down while messages are
 
 from __future__ import annotations
 
+import asyncio
 from typing import Generic, TypeVar
 
 import zmq
@@ -23,6 +24,19 @@ RECEIVE_BURST = 32
 a message waiting returns without yielding, so under a steady flood a loop that never yields starves every other
 task: the frontend's response writers then sent each stream's tokens in one burst at its end (H200, SmolLM2 at 128
 concurrent streams: the first token came with the last, about a second after the request)."""
+
+
+class Turns:
+    """An asyncio receive loop's share of the event loop: :meth:`taken` after each message received yields to the
+    other tasks every :data:`RECEIVE_BURST` messages."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    async def taken(self) -> None:
+        self._count += 1
+        if self._count % RECEIVE_BURST == 0:
+            await asyncio.sleep(0)
 
 
 def _setup(sock: zmq.Socket, address: str, bind: bool) -> None:
@@ -123,10 +137,14 @@ class AsyncPullQueue(Generic[M]):
         self._decoder: Decoder[M] = Decoder(classes)  # type: ignore[arg-type]
         self._sock = ctx.socket(zmq.PULL)
         _setup(self._sock, address, bind)
+        self._turns = Turns()
 
     async def get(self) -> M:
+        """The next message; every :data:`RECEIVE_BURST` messages it first lets the other tasks run."""
         while True:
-            msg = self._decoder.decode_or_log(await self._sock.recv(copy=True))
+            frame = await self._sock.recv(copy=True)
+            await self._turns.taken()
+            msg = self._decoder.decode_or_log(frame)
             if msg is not None:
                 return msg
 
