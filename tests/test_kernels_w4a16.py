@@ -19,6 +19,7 @@ from kernels.w4a16 import (
     dequantize_into,
     from_gguf_q4,
     pack_codes,
+    quantize,
     random_weight,
     w4a16_matmul,
     w4a16_reference,
@@ -250,3 +251,84 @@ def test_w4a16_launcher_rejects_bad_inputs():
     with pytest.raises(AssertionError):
         w4a16_matmul(torch.randn(2, 64, device=DEVICE),
                      W4A16Weight(w.qweight, w.scales[:1], w.mins[:1], w.group_size))
+
+
+@pytest.mark.parametrize("m,gemv,block_k,split_k", [(1, True, 256, 1), (2, True, 128, 3), (5, False, 128, 2)])
+def test_group_128(m, gemv, block_k, split_k):
+    # --quantize w4a16's groups: each group's 16 words per column in one GEMV step, or one 128-deep dot per group.
+    n, k = 72, 128 * 5
+    gen = torch.Generator().manual_seed(128)
+    w = random_weight(n, k, group_size=128, device=DEVICE, seed=3)
+    x = torch.randn((m, k), generator=gen).to(DEVICE)
+    cfg = W4A16Config(block_m=min(m, 2) if gemv else 16, block_n=32, block_k=block_k, split_k=split_k, gemv=gemv)
+    ref = w4a16_reference(x, w)
+    assert _rel_err(w4a16_matmul(x, w, cfg), ref) <= 1e-5
+    assert _rel_err(w4a16_matmul(x, w), ref) <= 1e-5  # the launcher's default for group 128
+    # Negative control: the scales read as if the groups were 32 inputs (the first quarter of the rows of a
+    # 4x taller scale table holding each scale once) is a different matrix.
+    as32 = W4A16Weight(w.qweight, w.scales.repeat_interleave(4, 0), w.mins.repeat_interleave(4, 0), 32)
+    assert _rel_err(w4a16_matmul(x, as32, dataclasses.replace(cfg, block_k=max(block_k, 64))), ref) <= 1e-5
+    shuffled = W4A16Weight(w.qweight, w.scales.repeat(4, 1), w.mins.repeat(4, 1), 32)
+    assert _rel_err(w4a16_matmul(x, shuffled, dataclasses.replace(cfg, block_k=max(block_k, 64))), ref) > 0.05
+
+
+def _scale_units(w: torch.Tensor, q: W4A16Weight) -> torch.Tensor:
+    """|w - dequantised| per weight, in units of its group's scale (groups of one value: 0)."""
+    scale = q.scales.float().t().repeat_interleave(q.group_size, dim=1)
+    err = (w.float() - dequantize(q)).abs()
+    return torch.where(scale > 0, err / torch.where(scale > 0, scale, 1.0), err)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_quantize_rounds_to_nearest(group, scale_dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(group)
+    w = torch.randn((48, 4 * group), generator=gen) * 0.02
+    w[5, 7] = 0.4  # an outlier widens its group's range only
+    q = quantize(w.to(torch.bfloat16), group, scale_dtype)
+    assert (q.qweight.shape, q.scales.shape, q.group_size) == ((w.shape[1] // 8, 48), (4, 48), group)
+    assert q.scales.dtype == q.mins.dtype == scale_dtype
+    units = _scale_units(w.to(torch.bfloat16), q)
+    # Half a step, plus the clamp at the top code after the scale and min were rounded to their dtype.
+    assert units.max() <= 0.52, units.max()
+    assert units.max() >= 0.45  # random weights reach the half-step bound: the measure is not vacuous
+    # The outlier widens its own group only (a range of ~0.45 against ~0.08).
+    assert q.scales[0, 5] > 4 * q.scales[1:, 5].float().max()
+    # Negative control: truncating instead of rounding is off by up to a whole step.
+    monkeypatch.setattr(torch, "round", torch.floor)
+    assert _scale_units(w.to(torch.bfloat16), quantize(w.to(torch.bfloat16), group, scale_dtype)).max() > 0.9
+
+
+def test_quantize_recovers_exact_codes():
+    # A weight that is exactly codes * scale + min, every group using codes 0 and 15, quantises back to the same
+    # codes, scales and mins.
+    gen = torch.Generator().manual_seed(11)
+    n, k, group = 24, 256, 128
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    codes[:, ::group] = 0
+    codes[:, 1::group] = 15
+    scales = (torch.rand((k // group, n), generator=gen) * 0.004 + 0.001).half()
+    mins = (-8 * scales.float() + torch.randn((k // group, n), generator=gen) * 0.001).half()
+    want = W4A16Weight(pack_codes(codes), scales, mins, group)
+    q = quantize(dequantize(want), group, torch.float16)
+    assert torch.equal(q.scales, scales) and torch.equal(q.mins, mins)
+    assert torch.equal(q.qweight, want.qweight)
+    assert torch.equal(dequantize(q), dequantize(want))
+
+
+def test_quantize_edge_cases():
+    w = torch.full((8, 64), 0.25)
+    w[1] = 0.0
+    q = quantize(w, 32)
+    assert torch.equal(dequantize(q), w) and not q.scales.any()  # constant groups: exact, scale 0
+    with pytest.raises(ValueError, match="groups of 128"):
+        quantize(torch.zeros(8, 96), 128)
+    with pytest.raises(ValueError, match="groups of 12"):
+        quantize(torch.zeros(8, 96), 12)
+    bad = torch.zeros(8, 64)
+    bad[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="range"):
+        quantize(bad, 32)
+    with pytest.raises(ValueError, match="range"):
+        quantize(torch.full((8, 64), 1e6), 32)  # beyond float16's mins
+    assert torch.isfinite(quantize(torch.full((8, 64), 1e6), 32, torch.float32).mins).all()
