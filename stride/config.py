@@ -24,6 +24,26 @@ def _positive(obj: object, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+QUANTIZE_DEFAULT_GROUP = 128
+"""Group of ``--quantize w4a16``: GPTQ's and AWQ's usual size; 0.53 bytes per weight with fp16 scales and mins."""
+
+
+def quantize_group_size(spec: str) -> int:
+    """The group size a ``--quantize`` value asks for, 0 for none: ``''``/``none``, ``w4a16`` (groups of
+    :data:`QUANTIZE_DEFAULT_GROUP`) or ``w4a16-g<N>`` (N a positive multiple of 8). ``ValueError`` otherwise."""
+    spec = spec.strip().lower()
+    if spec in ("", "none"):
+        return 0
+    if spec == "w4a16":
+        return QUANTIZE_DEFAULT_GROUP
+    if spec.startswith("w4a16-g") and spec[7:].isdigit():
+        group = int(spec[7:])
+        if group > 0 and group % 8 == 0:
+            return group
+    raise ValueError(f"quantize must be 'none', 'w4a16' or 'w4a16-g<N>' with N a multiple of 8, got {spec!r}")
+
+
+
 @dataclass(frozen=True)
 class IpcConfig:
     """Where one launch's sockets and shared-memory segments live. Every address comes from here."""
@@ -204,6 +224,9 @@ class WorkerConfig:
     cuda_graphs: bool = True
     """Replay decode-only steps from CUDA graphs (CUDA with the Triton backend, dense models); False runs
     every step eagerly (``--enforce-eager``)."""
+    quantize: str = ""
+    """``w4a16`` or ``w4a16-g<N>``: quantise the checkpoint's projections to 4 bits at load, in groups of N inputs
+    (128 by default), and run them on the W4A16 GEMM; empty or ``none``: as stored."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size")
@@ -217,6 +240,7 @@ class WorkerConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        quantize_group_size(self.quantize)  # ValueError for a value it does not know
 
 
 @dataclass(frozen=True)

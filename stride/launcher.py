@@ -207,6 +207,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of the worker's torch ops (default: one per core)")
+    p.add_argument("--quantize", default="", metavar="none|w4a16|w4a16-g<N>",
+                   help="quantise the projections to 4 bits at load (groups of 128 inputs, or N) and run them on "
+                        "the W4A16 GEMM (default: as stored; a GGUF's Q4 projections are 4-bit on the GPU anyway)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps)")
     p.add_argument("--host", default="127.0.0.1")
@@ -249,7 +252,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                                   max_waiting_requests=args.max_waiting_requests),
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, device=args.device,
                             dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp,
-                            num_threads=args.threads, cuda_graphs=not args.enforce_eager),
+                            num_threads=args.threads, cuda_graphs=not args.enforce_eager,
+                            quantize=args.quantize),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
                             api_keys_file=args.api_keys, model_name=args.served_model_name),
     )

@@ -15,7 +15,8 @@ from test_worker_loader import write_gguf
 from test_worker_triton import Steps, count_calls, cpu_triton
 
 import kernels  # noqa: F401  (before Triton loads: without CUDA it turns on the interpreter; see test_worker_triton)
-from kernels.w4a16 import W4A16Weight, dequantize
+from kernels.w4a16 import W4A16Weight, dequantize, quantize
+from stride.config import WorkerConfig, quantize_group_size
 from stride.workers import loader
 from stride.workers.loader import load_model, use_w4a16
 from stride.workers.models import layers
@@ -32,7 +33,8 @@ def gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cfg = dict(make["PRESETS"]["tiny-llama"], rope_scaling=None)  # GGUF has no llama3 parameters
     out = tmp_path_factory.mktemp("w4a16")
     hf = make["write_checkpoint"](cfg, out / "hf", torch.float32, seed=5)
-    return {q: write_gguf(hf, out / f"m-{q}.gguf", q) for q in ("Q4_0", "Q4_1")}
+    paths = {q: write_gguf(hf, out / f"m-{q}.gguf", q) for q in ("Q4_0", "Q4_1", "F32")}
+    return {**paths, "hf": hf}
 
 
 def _dequantised(module: W4A16Linear) -> torch.Tensor:
@@ -61,6 +63,52 @@ def test_only_all_q4_projections_are_packed() -> None:
         "blk.0.ffn_gate.weight": "layers.0.mlp.gate_up_proj",
         "blk.0.ffn_up.weight": "layers.0.mlp.gate_up_proj",
     }
+
+
+def test_quantize_values() -> None:
+    assert [quantize_group_size(v) for v in ("", "none", "w4a16", "W4A16-g64", "w4a16-g32")] == [0, 0, 128, 64, 32]
+    for bad in ("w4", "w4a16-g", "w4a16-g12", "w4a16-g0", "int4", "w4a16-g-8"):
+        with pytest.raises(ValueError, match="quantize must be"):
+            quantize_group_size(bad)
+        with pytest.raises(ValueError, match="quantize must be"):
+            WorkerConfig(quantize=bad)
+    assert WorkerConfig(quantize="w4a16").quantize == "w4a16"
+
+
+@pytest.mark.parametrize("source", ["hf", "F32"])
+def test_quantized_projections_hold_the_quantised_checkpoint(gguf_paths: dict[str, Path], source: str) -> None:
+    # A 32-bit checkpoint (HF, or GGUF F32 with its q/k rows permuted) quantised at load: every projection is a
+    # W4A16Linear holding exactly what kernels.w4a16.quantize makes of the dense weight, one tensor at a time
+    # (q, k and v quantised separately, then merged: their groups run along the input, so merging cannot mix them).
+    path = str(gguf_paths[source])
+    dense = load_model(path)
+    packed = load_model(path, quantize_group=32)
+    names = [f"layers.{i}.{p}" for i in range(dense.args.num_layers) for p in PROJECTIONS]
+    assert sorted(names) == sorted(k for k, m in packed.named_modules() if isinstance(m, W4A16Linear))
+    assert not any(k.startswith(tuple(names)) for k, _ in packed.named_parameters())
+    for name in names:
+        module = packed.get_submodule(name)
+        assert module.group_size == 32
+        weight = dense.get_submodule(name).weight
+        shards = getattr(dense.get_submodule(name), "output_sizes", [weight.shape[0]])
+        want = torch.cat([dequantize(quantize(w, 32, torch.float32)) for w in weight.split(shards)])
+        assert torch.equal(_dequantised(module), want), name
+        # Negative control: 4 bits are not the dense weight (and within about half a step of it).
+        err = (_dequantised(module) - weight).abs()
+        assert err.max() > 0 and err.max() <= 0.52 * module.scales.max()
+    assert torch.equal(packed.lm_head.weight, dense.lm_head.weight)
+    assert torch.equal(packed.embed_tokens.weight, dense.embed_tokens.weight)
+
+
+def test_quantize_keeps_gguf_q4_and_refuses_ragged_groups(gguf_paths: dict[str, Path]) -> None:
+    q4 = load_model(str(gguf_paths["Q4_1"]), w4a16=True)
+    both = load_model(str(gguf_paths["Q4_1"]), quantize_group=128)  # Q4 blocks stay as they are: groups of 32
+    for name, module in q4.named_modules():
+        if isinstance(module, W4A16Linear):
+            other = both.get_submodule(name)
+            assert other.group_size == 32 and torch.equal(_dequantised(other), _dequantised(module))
+    with pytest.raises(ValueError, match="128-groups"):  # hidden size 64: no whole groups of 128
+        load_model(str(gguf_paths["hf"]), quantize_group=128)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -123,6 +171,28 @@ def test_w4a16_worker_equals_dequantised_worker(
     bad.schedule = bad.schedule[:1]
     errs = [(g - w).abs().max().item() for g, w in zip(bad.run(wrong), want, strict=False)]
     assert np.max(errs) > 1e-3
+
+
+@cpu_triton
+@torch.inference_mode()
+def test_quantized_worker_equals_worker_on_quantised_weights(gguf_paths: dict[str, Path]) -> None:
+    """``quantize="w4a16-g32"`` on the runner: the 4-bit worker computes the model whose projections are the
+    dequantised 4-bit weights, through the W4A16 GEMM."""
+    path = str(gguf_paths["hf"])
+    kw = dict(device="cpu", num_blocks=40, block_size=4)
+    dense = ModelRunner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    want_dense = Steps(40, 4, dense.args.vocab_size).run(dense)
+    tri = ModelRunner(path, attention_backend="triton", quantize="w4a16-g32", **kw)  # type: ignore[arg-type]
+    assert tri.w4a16
+    for name, module in tri.model.named_modules():  # the reference: dense, holding the same 4-bit values
+        if isinstance(module, W4A16Linear):
+            dense.model.get_submodule(name).weight.copy_(_dequantised(module))
+    want = Steps(40, 4, dense.args.vocab_size).run(dense)
+    got = Steps(40, 4, dense.args.vocab_size).run(tri)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g - w).abs().max().item() <= 1e-5, f"step {i}"
+    # Negative control: the unquantised model's logits are measurably elsewhere.
+    assert max((g - w).abs().max().item() for g, w in zip(got, want_dense, strict=True)) > 1e-3
 
 
 @pytest.mark.gpu

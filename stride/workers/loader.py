@@ -9,6 +9,12 @@ With ``w4a16`` (:func:`use_w4a16`: by default on CUDA with the triton backend) a
 (q/k/v, o, gate/up, down) are not dequantised: their modules become :class:`W4A16Linear` before anything is
 allocated and get the blocks repacked 4-bit (``kernels/w4a16.py``); a merged projection only when every
 checkpoint tensor in it is Q4. Embeddings, norms, the LM head and Mixtral's experts load as before.
+
+With ``quantize`` (``stride serve --quantize w4a16[-g<N>]``) every other such projection of the checkpoint, 16/32-bit
+or a GGUF type other than Q4, becomes a :class:`W4A16Linear` too and its tensors are quantised on the device as they
+stream in (:func:`kernels.w4a16.quantize`: round to nearest, per group of N inputs, 128 by default); GGUF Q4
+projections are kept as they are (groups of 32). So a 16-bit checkpoint runs on the 4-bit GEMM without a separate
+conversion step, and the KV cache, sized after loading, gets the memory the weights no longer take.
 """
 
 from __future__ import annotations
@@ -76,35 +82,50 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     w4a16: bool = False,
+    quantize_group: int = 0,
 ) -> Transformer:
     """Build the model of ``path`` (empty: :func:`default_model_path`) on ``device`` in ``dtype`` and load its
     weights. Raises if a checkpoint tensor has no place in the model or a parameter was never loaded.
-    ``w4a16``: keep a GGUF's Q4_0/Q4_1 projections packed (module docstring); ignored for other checkpoints."""
+    ``w4a16``: keep a GGUF's Q4_0/Q4_1 projections packed (module docstring); ignored for other checkpoints.
+    ``quantize_group`` > 0: quantise every other projection to 4 bits in groups of that many inputs (implies
+    ``w4a16``)."""
     path = path or default_model_path()
     device = torch.device(device)
+    w4a16 = w4a16 or quantize_group > 0
     packed: dict[str, str] = {}  # GGUF tensor → the W4A16Linear it loads into
     # float16 holds GGUF's fp16 scales exactly (bfloat16 would round them); float32 runs stay float32.
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+    if w4a16:
+        # Before the model build imports Triton: without CUDA, kernels turns on Triton's interpreter.
+        import kernels.w4a16  # noqa: F401
     if is_gguf(path):
         import gguf
 
         reader = gguf.GGUFReader(path)
         args = _gguf_args(reader)
         packed = _w4a16_projections(reader, args) if w4a16 else {}
-        if packed:
-            # Before the model build imports Triton: without CUDA, kernels turns on Triton's interpreter.
-            import kernels.w4a16  # noqa: F401
         tensors, total = _gguf_tensors(reader, args, set(packed), scale_dtype), len(reader.tensors)
     else:
         args = read_model_args(path)
         tensors, total = _safetensors(Path(path))
+    groups = dict.fromkeys(packed.values(), 32)  # module path → group size of its W4A16Linear
+    quantized: set[str] = set()  # HF names of the tensors quantised as they load
     with torch.device("meta"):
         model = build_model(args, tp_rank, tp_size)
-        for module_path in sorted(set(packed.values())):
+        if quantize_group:
+            for proj, names in _quantizable(model, args).items():
+                if proj not in groups:
+                    groups[proj] = quantize_group
+                    quantized.update(names)
+        for module_path, group in sorted(groups.items()):
             dense = model.get_submodule(module_path)
-            model.set_submodule(module_path, W4A16Linear.replacing(dense, scale_dtype))
+            model.set_submodule(module_path, W4A16Linear.replacing(dense, scale_dtype, group))
     if packed:
         log.info("%d projections kept 4-bit (W4A16)", len(set(packed.values())))
+    if quantized:
+        log.info("%d projections quantised to 4 bits at load (W4A16, groups of %d)",
+                 len(groups) - len(set(packed.values())), quantize_group)
+        tensors = _quantizing(tensors, quantized, quantize_group, device, scale_dtype)
     _materialize(model, device, dtype)
     label = f"loading {os.path.basename(path.rstrip('/'))}"
     with tqdm(total=total, desc=label, unit="tensor", disable=None) as bar:
@@ -126,6 +147,36 @@ def load_model(
         raise ValueError(f"{path}: parameters not in the checkpoint: {missing[:8]}")
     model.eval()
     return model
+
+
+def _quantizable(model: Transformer, args: ModelArgs) -> dict[str, list[str]]:
+    """Our dense projections (module path) → the HF tensor names merged in each, for :func:`quantize`. Models without
+    a module (Mixtral's MLP is its experts, which stay dense) have no entry for it."""
+    out: dict[str, list[str]] = {}
+    for layer in range(args.num_layers):
+        for module, kinds in _GGUF_PROJECTIONS.items():
+            path = f"layers.{layer}.{module}"
+            try:
+                model.get_submodule(path)
+            except AttributeError:
+                continue
+            out[path] = [f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight" for kind in kinds]
+    return out
+
+
+def _quantizing(
+    tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
+) -> Iterator[tuple[str, Any]]:
+    """The stream with the tensors in ``names`` quantised on ``device`` (in float32, whatever the run dtype)."""
+    from kernels.w4a16 import quantize
+
+    for name, tensor in tensors:
+        if name in names:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name}: expected a dense tensor to quantise")
+            yield name, quantize(tensor.to(device), group, scale_dtype)
+        else:
+            yield name, tensor
 
 
 def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from stride import env
-from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks_per_seq
+from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks_per_seq, quantize_group_size
 from stride.planner.memory import MAX_GRAPH_BATCH
 from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
@@ -66,15 +66,19 @@ class ModelRunner:
         memory_utilization: float = 0.9,
         attention_backend: str = "",
         cuda_graphs: bool = True,
+        quantize: str = "",
         progress: ProgressCallback | None = None,
     ) -> None:
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
         self.backend = get_backend(attention_backend, self.device.type)
-        # GGUF Q4 projections stay 4-bit under the W4A16 GEMM with the triton backend on CUDA (STRIDE_W4A16).
-        self.w4a16 = use_w4a16(self.device.type, self.backend.name)
-        self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16)
+        # GGUF Q4 projections stay 4-bit under the W4A16 GEMM with the triton backend on CUDA (STRIDE_W4A16);
+        # ``quantize`` ("w4a16[-g<N>]") makes every projection 4-bit, quantised at load.
+        group = quantize_group_size(quantize)
+        self.w4a16 = group > 0 or use_w4a16(self.device.type, self.backend.name)
+        self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16,
+                                quantize_group=group)
         self.args = self.model.args
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
             from kernels.w4a16 import reserve_scratch
@@ -143,6 +147,7 @@ class ModelRunner:
             max_model_len=sched.max_model_len,
             memory_utilization=worker.gpu_memory_utilization,
             cuda_graphs=worker.cuda_graphs,
+            quantize=worker.quantize,
             progress=progress,
         )
         if runner.graphs is not None:  # on CUDA: the shortest-context graphs now, not mid-serving
