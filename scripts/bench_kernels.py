@@ -174,10 +174,11 @@ def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
     results["extend"] = rows
 
 
-def _w4_operands(n: int, k: int, rotate_bytes: int) -> tuple[int, list[wq.W4A16Weight], list[torch.Tensor]]:
+def _w4_operands(n: int, k: int, rotate_bytes: int,
+                 group: int = 32) -> tuple[int, list[wq.W4A16Weight], list[torch.Tensor]]:
     """Bytes of one packed (N, K) weight, and disjoint 4-bit and bf16 copies of such weights to cycle through."""
-    w4_bytes = n * k // 2 + 2 * (k // 32) * n * 2
-    ws = copies(lambda i: wq.random_weight(n, k, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+    w4_bytes = n * k // 2 + 2 * (k // group) * n * 2
+    ws = copies(lambda i: wq.random_weight(n, k, group, device=CUDA, seed=i), w4_bytes, rotate_bytes)
     wbf = copies(lambda i: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02, n * k * 2, rotate_bytes)
     return w4_bytes, ws, wbf
 
@@ -187,27 +188,29 @@ def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Te
 
 
 def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
-                batches: tuple[int, ...] = (1, 16, 2, 4, 8)) -> None:
+                batches: tuple[int, ...] = (1, 16, 2, 4, 8), group: int = 32) -> None:
     """W4A16 against bf16 ``F.linear`` at decode shapes, both timed as CUDA-graph replays (as the worker runs
     decode) and as plain launches; W4A16 in graphs both with and without programmatic dependent launch (the
     graph's calls then overlap, as the worker's kernels do; cuBLAS launches plainly either way). M=1 and M=16
     are autotuned through the gate (the chosen configs land in the cache); M=2, 4, 8 take the faster of those
-    two choices and the launcher's default (chosen without PDL)."""
+    two choices and the launcher's default (chosen without PDL). ``group``: inputs per scale and min (32: GGUF's
+    Q4_0/Q4_1; 128: ``--quantize w4a16``, GPTQ's and AWQ's usual size)."""
     rows = []
-    print("\nW4A16 GEMM (group 32, fp16 scales+mins, 0.625 B/weight) vs bf16 F.linear, Llama-3.1-8B projections")
+    print(f"\nW4A16 GEMM (group {group}, fp16 scales+mins, {0.5 + 4 / group:.3f} B/weight) vs bf16 F.linear, "
+          "Llama-3.1-8B projections")
     print(f"{'proj':>8} {'M':>3} {'bf16 g':>7} {'w4 g':>7} {'x g':>6} {'w4 pdl':>7} {'x pdl':>6} {'bf16':>7} "
           f"{'w4':>7} {'x':>6} {'w4 TB/s':>7}  config (graph timings in us; pdl: W4A16 calls chained by PDL)")
     for name, (n, k) in GEMM_SHAPES.items():
-        w4_bytes, ws, wbf = _w4_operands(n, k, rotate_bytes)
+        w4_bytes, ws, wbf = _w4_operands(n, k, rotate_bytes, group)
         tuned: dict[int, wq.W4A16Config] = {}
         for m in batches:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
             if tune and m in (1, 16):
                 problems = [{"x": x, "w": w} for w in ws]
-                res = at.tune_and_cache(specs.W4A16, specs.GemmShape(m, n, k), CUDA, cache,
+                res = at.tune_and_cache(specs.W4A16, specs.GemmShape(m, n, k, group), CUDA, cache,
                                         timer=at.cuda_graph_timer, bench_problems=problems)
                 tuned[m] = res.chosen.candidate.config
-            options = {wq.default_config(m, n, k), *tuned.values()}
+            options = {wq.default_config(m, n, k, group), *tuned.values()}
             timed = sorted((graph_over(partial(_w4_run, x, c), ws), i, c) for i, c in enumerate(options))
             w4_g, _, cfg = timed[0]
             set_pdl(True)
@@ -215,7 +218,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
             set_pdl(False)
             bf_g = graph_over(partial(F.linear, x), wbf)
             bf, w4 = bench_over(partial(F.linear, x), wbf), bench_over(partial(_w4_run, x, cfg), ws)
-            row = {"proj": name, "n": n, "k": k, "m": m, "bf16_graph_ms": bf_g, "w4_graph_ms": w4_g,
+            row = {"proj": name, "n": n, "k": k, "m": m, "group": group, "bf16_graph_ms": bf_g, "w4_graph_ms": w4_g,
                    "speedup_graph": bf_g / w4_g, "w4_graph_pdl_ms": w4_pdl, "speedup_graph_pdl": bf_g / w4_pdl,
                    "bf16_ms": bf, "w4_ms": w4, "speedup": bf / w4,
                    "w4_tb_s": w4_bytes / w4_g / 1e9, "config": dataclasses.asdict(cfg)}
@@ -229,11 +232,11 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
         per_m = [r for r in rows if r["m"] == m]
         total = sum(r["bf16_graph_ms"] for r in per_m) / sum(r["w4_graph_ms"] for r in per_m)
         pdl = sum(r["bf16_graph_ms"] for r in per_m) / sum(r["w4_graph_pdl_ms"] for r in per_m)
-        results[f"w4a16_layer_speedup_graph_m{m}"] = total
-        results[f"w4a16_layer_speedup_graph_pdl_m{m}"] = pdl
+        results[f"w4a16_g{group}_layer_speedup_graph_m{m}"] = total
+        results[f"w4a16_g{group}_layer_speedup_graph_pdl_m{m}"] = pdl
         print(f"one layer's four projections at M={m} (graphs): {total:.2f}x faster than bf16, "
-              f"{pdl:.2f}x with PDL")
-    results["w4a16"] = rows
+              f"{pdl:.2f}x with PDL (group {group})")
+    results.setdefault("w4a16", []).extend(rows)
 
 
 def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
@@ -302,6 +305,11 @@ def bench_rows_kernel(results: dict, cache: at.AutotuneCache, rotate_bytes: int,
     results["rows_kernels"] = rows
 
 
+def _each_group(bench: Callable[..., None], groups: tuple[int, ...], *args: Any) -> None:
+    for group in groups:
+        bench(*args, group=group)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_kernels.json")
@@ -313,6 +321,8 @@ def main() -> int:
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
     parser.add_argument("--decode-wide", action="store_true", help="tune over block_n 128 and 8 warps too")
     parser.add_argument("--w4a16-m", default="1,16,2,4,8", help="W4A16 batch rows to time")
+    parser.add_argument("--w4a16-groups", default="32,128",
+                        help="W4A16 group sizes to time (32: GGUF Q4_0/Q4_1; 128: --quantize w4a16)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "bench_kernels.py needs a CUDA GPU"
     results: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -326,7 +336,8 @@ def main() -> int:
              "extend": bench_extend, "rows": bench_rows_kernel, "w4rows": bench_w4a16_rows,
              "w4rows-smollm2": partial(bench_w4a16_rows, rows=(8, 16, 17, 24, 32, 64, 128, 512, 2048),
                                        shapes=SMOLLM2_SHAPES, label="w4a16_rows_smollm2"),
-             "w4a16": partial(bench_w4a16, batches=tuple(int(m) for m in args.w4a16_m.split(",")))}
+             "w4a16": partial(_each_group, partial(bench_w4a16, batches=tuple(int(m) for m in args.w4a16_m.split(","))),
+                              tuple(int(g) for g in args.w4a16_groups.split(",")))}
     for part in args.parts.split(","):
         t0 = time.time()
         parts[part](results, cache, rotate, not args.no_tune)

@@ -123,6 +123,7 @@ def main() -> int:
     parser.add_argument("--pdl", action="store_true",
                         help="with --graphs, also time graphs captured with programmatic dependent launch")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--quantize", default="", help="w4a16 or w4a16-g<N>: quantise the projections at load")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,6 +139,7 @@ def main() -> int:
         num_blocks=need,
         attention_backend="triton" if args.graphs else backends[0] if backends else "",
         cuda_graphs=args.graphs,
+        quantize=args.quantize,
     )
     graphs, runner.graphs = runner.graphs, None
     print(

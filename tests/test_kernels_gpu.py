@@ -18,7 +18,7 @@ from kernels.autotune_specs import (
     make_paged_problem,
 )
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.w4a16 import W4A16Config, dequantize, random_weight, w4a16_matmul
+from kernels.w4a16 import W4A16Config, W4A16Weight, dequantize, quantize, random_weight, w4a16_matmul
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -78,6 +78,27 @@ def test_w4a16_at_8b_shapes(m, n, k):
                 W4A16Config(block_m=4, block_n=64, gemv=True)):
         out = w4a16_matmul(x, w, cfg, dequant=None if cfg is None else False)  # None: expanded from 17 rows
         assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 40])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_w4a16_group_128_at_8b_shapes(m, n, k):
+    # --quantize w4a16's layout through the launcher's defaults (GEMV, tiles, expansion), compiled.
+    w = random_weight(n, k, group_size=128, device=CUDA, seed=m)
+    x = torch.randn(m, k, device=CUDA).bfloat16()
+    ref = x.float() @ dequantize(w).t()
+    out = w4a16_matmul(x, w)
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+    # Negative control: the mins dropped.
+    no_mins = W4A16Weight(w.qweight, w.scales, torch.zeros_like(w.mins), 128)
+    assert ((w4a16_matmul(x, no_mins).float() - ref).norm() / ref.norm()).item() > 0.05
+
+
+def test_quantize_on_the_gpu_equals_the_cpu():
+    w = torch.randn(4096, 4096, device=CUDA, dtype=torch.bfloat16) * 0.02
+    on_gpu, on_cpu = quantize(w, 128), quantize(w.cpu(), 128)
+    for field in ("qweight", "scales", "mins"):
+        assert torch.equal(getattr(on_gpu, field).cpu(), getattr(on_cpu, field)), field
 
 
 def test_rmsnorm_at_model_width():
