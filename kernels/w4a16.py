@@ -8,9 +8,9 @@ Packed layout (:class:`W4A16Weight`) of a weight W of shape (N, K) (nn.Linear's 
     W[n, k] = code[k, n] * scales[k // group_size, n] + mins[k // group_size, n]
 Packing along K keeps a load of one row of words coalesced along N, and one word per output
 column per 8 inputs. GGUF Q4_1 maps directly (scale d, min m); Q4_0 is ``d * (q - 8)``, i.e. min = -8d.
-group_size must be a multiple of 8: GGUF's blocks are 32 (:func:`from_gguf_q4`); a 16-bit checkpoint quantised
-at load (:func:`quantize`) takes 128 by default, the GPTQ/AWQ size (0.53 bytes per weight with fp16 scales and
-mins, against 0.625 at 32).
+group_size is a power of two of at least 8 (whole words; the kernels' tiles are powers of two): GGUF's blocks
+are 32 (:func:`from_gguf_q4`); a 16-bit checkpoint quantised at load (:func:`quantize`) takes 128 by default, the
+GPTQ/AWQ size (0.53 bytes per weight with fp16 scales and mins, against 0.625 at 32).
 
 From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
 W once into a per-device scratch matrix of x's dtype and multiplies that with cuBLAS: there the product is bound
@@ -172,8 +172,10 @@ def _gemv_step(
     x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
     stride_qk, stride_sg, acc0, acc1, acc2, acc3,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, STAGE: tl.constexpr, WAIT: tl.constexpr,
+    R: tl.constexpr,
 ):
     """One K step of the GEMV (see the kernel): G groups from input k0, added into the rows' accumulators.
+    ``GROUP`` here is the kernel's unit of work (at most 32 inputs); ``R`` of them share one scale and min.
     ``STAGE`` (PDL launches): load the step's words (up to four per group) before any activation, as ``WAIT``,
     the first step, must: it waits for the kernel before once its weights are loaded (with more than four words
     per group, before the words). Without PDL each word tile is loaded just before its use."""
@@ -181,8 +183,9 @@ def _gemv_step(
     g_ok = gs < k_hi // GROUP
     gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
     mask_g = g_ok[:, None] & n_mask[None, :]
-    sc = tl.load(sc_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
-    mn = tl.load(mn_ptr + gs[:, None] * stride_sg + offs_n[None, :], mask=mask_g, other=0.0).to(tl.float32)
+    sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]  # R rows of the tile read one scale row (from L1)
+    sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
     W: tl.constexpr = GROUP // 8  # words per group
     STAGED: tl.constexpr = STAGE and W <= 4
     if STAGED:
@@ -283,7 +286,12 @@ def _w4a16_kernel(
         # further row adds an FMA per weight and its activation work.
         # Rows past M read row M - 1 (unmasked loads; their results are never stored).
         tl.static_assert(BLOCK_M <= 4, "the GEMV takes up to 4 rows per program")
-        G: tl.constexpr = BLOCK_K // GROUP
+        # Groups of more than 32 inputs are worked as R pieces of 32 that share a scale and a min (sum_k x_k
+        # code_k and sum_k x_k add over the pieces): the unrolled step is then the same as for 32, where one
+        # whole group of 128 per row of the tile took 4-6x as long to compile for sm_90 (local, triton 3.6).
+        R: tl.constexpr = (GROUP + 31) // 32
+        SUB: tl.constexpr = GROUP // R
+        G: tl.constexpr = BLOCK_K // SUB
         x_row0 = x_ptr + tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * stride_xm
         x_row1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
         x_row2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
@@ -303,14 +311,14 @@ def _w4a16_kernel(
         if EARLY:
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
-                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, True, True)
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, SUB, G, BLOCK_M, True, True, R)
             k_first = k_lo + BLOCK_K
         else:
             pdl_wait(PDL)
         for k0 in range(k_first, k_hi, BLOCK_K):
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
-                stride_qk, stride_sg, acc0, acc1, acc2, acc3, GROUP, G, BLOCK_M, EARLY, False)
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, SUB, G, BLOCK_M, EARLY, False, R)
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
         if BLOCK_M > 1:
@@ -449,10 +457,15 @@ def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def is_group_size(group_size: int) -> bool:
+    """Whether the kernels take groups of this many inputs: a power of two of at least 8."""
+    return group_size >= 8 and group_size & (group_size - 1) == 0
+
+
 def check_weight(w: W4A16Weight) -> None:
     k, n = w.in_features, w.out_features
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous(), "qweight must be contiguous int32"
-    assert w.group_size % 8 == 0 and k % w.group_size == 0, f"bad group_size {w.group_size} for K={k}"
+    assert is_group_size(w.group_size) and k % w.group_size == 0, f"bad group_size {w.group_size} for K={k}"
     for name, t in (("scales", w.scales), ("mins", w.mins)):
         assert t.shape == (k // w.group_size, n), f"{name} must be (K/group, N), got {tuple(t.shape)}"
         check_float(name, t)
@@ -596,8 +609,10 @@ def quantize(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dty
     if weight.dim() != 2:
         raise ValueError(f"weight must be (out, in), got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    if group_size % 8 or k % group_size:
-        raise ValueError(f"in_features {k} is not a whole number of groups of {group_size} (a multiple of 8)")
+    if not is_group_size(group_size):
+        raise ValueError(f"group_size must be a power of two of at least 8, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a whole number of groups of {group_size}")
     w = weight.float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(-1), w.amax(-1)
     mins = lo.to(scale_dtype)

@@ -30,7 +30,7 @@ QUANTIZE_DEFAULT_GROUP = 128
 
 def quantize_group_size(spec: str) -> int:
     """The group size a ``--quantize`` value asks for, 0 for none: ``''``/``none``, ``w4a16`` (groups of
-    :data:`QUANTIZE_DEFAULT_GROUP`) or ``w4a16-g<N>`` (N a positive multiple of 8). ``ValueError`` otherwise."""
+    :data:`QUANTIZE_DEFAULT_GROUP`) or ``w4a16-g<N>`` (N a power of two of at least 8). ``ValueError`` otherwise."""
     spec = spec.strip().lower()
     if spec in ("", "none"):
         return 0
@@ -38,9 +38,9 @@ def quantize_group_size(spec: str) -> int:
         return QUANTIZE_DEFAULT_GROUP
     if spec.startswith("w4a16-g") and spec[7:].isdigit():
         group = int(spec[7:])
-        if group > 0 and group % 8 == 0:
+        if group >= 8 and group & (group - 1) == 0:
             return group
-    raise ValueError(f"quantize must be 'none', 'w4a16' or 'w4a16-g<N>' with N a multiple of 8, got {spec!r}")
+    raise ValueError(f"quantize must be 'none', 'w4a16' or 'w4a16-g<N>' (N a power of two, at least 8), got {spec!r}")
 
 
 

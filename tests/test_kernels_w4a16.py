@@ -255,7 +255,8 @@ def test_w4a16_launcher_rejects_bad_inputs():
 
 @pytest.mark.parametrize("m,gemv,block_k,split_k", [(1, True, 256, 1), (2, True, 128, 3), (5, False, 128, 2)])
 def test_group_128(m, gemv, block_k, split_k):
-    # --quantize w4a16's groups: each group's 16 words per column in one GEMV step, or one 128-deep dot per group.
+    # --quantize w4a16's groups: in the GEMV four pieces of 32 inputs sharing a scale and min, in the tiles one
+    # 128-deep dot per group.
     n, k = 72, 128 * 5
     gen = torch.Generator().manual_seed(128)
     w = random_weight(n, k, group_size=128, device=DEVICE, seed=3)
@@ -323,8 +324,9 @@ def test_quantize_edge_cases():
     assert torch.equal(dequantize(q), w) and not q.scales.any()  # constant groups: exact, scale 0
     with pytest.raises(ValueError, match="groups of 128"):
         quantize(torch.zeros(8, 96), 128)
-    with pytest.raises(ValueError, match="groups of 12"):
-        quantize(torch.zeros(8, 96), 12)
+    for group in (12, 24, 4):  # 24 divides 96 and is whole words, but no power of two
+        with pytest.raises(ValueError, match="power of two"):
+            quantize(torch.zeros(8, 96), group)
     bad = torch.zeros(8, 64)
     bad[2, 3] = float("inf")
     with pytest.raises(ValueError, match="range"):

@@ -67,7 +67,7 @@ def test_only_all_q4_projections_are_packed() -> None:
 
 def test_quantize_values() -> None:
     assert [quantize_group_size(v) for v in ("", "none", "w4a16", "W4A16-g64", "w4a16-g32")] == [0, 0, 128, 64, 32]
-    for bad in ("w4", "w4a16-g", "w4a16-g12", "w4a16-g0", "int4", "w4a16-g-8"):
+    for bad in ("w4", "w4a16-g", "w4a16-g12", "w4a16-g48", "w4a16-g4", "w4a16-g0", "int4", "w4a16-g-8"):
         with pytest.raises(ValueError, match="quantize must be"):
             quantize_group_size(bad)
         with pytest.raises(ValueError, match="quantize must be"):
