@@ -125,7 +125,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
         split_k = 1
         while split_k < 8 and tiles * split_k * 2 <= 1024 and k // (split_k * 2) >= 512:
             split_k *= 2
-        return W4A16Config(block_m=16, block_n=128, block_k=group_size, split_k=split_k, num_warps=4,
+        return W4A16Config(block_m=16, block_n=128, block_k=piece(group_size), split_k=split_k, num_warps=4,
                            num_stages=3)
     block_m = 64 if m <= 64 else 128
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_m)
@@ -137,7 +137,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     split_k = 1
     while tiles < 128 and split_k < 8 and k // (split_k * 2) >= 1024:
         split_k *= 2
-    return W4A16Config(block_m=block_m, block_n=block_n, block_k=group_size, split_k=split_k, num_warps=warps,
+    return W4A16Config(block_m=block_m, block_n=block_n, block_k=piece(group_size), split_k=split_k, num_warps=warps,
                        num_stages=3)
 
 
@@ -330,30 +330,35 @@ def _w4a16_kernel(
         acc = acc * _INV_SUM_UNIT
         pdl_wait(PDL)  # again (returns at once): nothing below may run before the kernel before completed
     else:
-        # Tensor-core tiles, one dot per group: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
+        # Tensor-core tiles, one dot per group of up to 32: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
         # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
         # keeps nibble k % 8. Codes are exact in any float dtype, so the dot sums exact products; per group
         # and column,
         #   sum_k x_k (code_k s + m) = s * dot + m * sum_k x_k
         # is applied in float32 (no dequantised weight is ever rounded). For 16-bit x a code is made by one OR:
         # bits 0x4300 | c are the bfloat16 128 + c, 0x6400 | c the float16 1024 + c; the offset's share,
-        # OFFSET * s * sum_k x_k, comes off with the mins. A step of BLOCK_K inputs unrolls BLOCK_K // GROUP
-        # groups; groups past the split's end load as zeros.
+        # OFFSET * s * sum_k x_k, comes off with the mins. Groups of more than 32 inputs are worked as pieces of
+        # 32 that read their group's scale and min (as in the GEMV): a 128-deep tile of codes per dot took twice
+        # the registers and over three times the shared memory of the pipelined loop (212 against 107 registers,
+        # 168 KB against 42 KB; sm_90, local compile), so one program per SM. A step of BLOCK_K inputs unrolls
+        # BLOCK_K // PIECE pieces; pieces past the split's end load as zeros.
         pdl_wait(PDL)
         X_TY: tl.constexpr = x_ptr.dtype.element_ty
         MAGIC: tl.constexpr = 0x4300 if X_TY == tl.bfloat16 else 0x6400
         OFFSET: tl.constexpr = 0.0 if X_TY == tl.float32 else (128.0 if X_TY == tl.bfloat16 else 1024.0)
-        offs_kg = tl.arange(0, GROUP)
+        R_T: tl.constexpr = (GROUP + 31) // 32
+        PIECE: tl.constexpr = GROUP // R_T
+        offs_kg = tl.arange(0, PIECE)
         shifts = 4 * (offs_kg % 8)
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-        g_end = k_hi // GROUP
+        g_end = k_hi // PIECE
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for g0 in range(k_lo // GROUP, g_end, BLOCK_K // GROUP):
-            for i in tl.static_range(BLOCK_K // GROUP):
+        for g0 in range(k_lo // PIECE, g_end, BLOCK_K // PIECE):
+            for i in tl.static_range(BLOCK_K // PIECE):
                 g = g0 + i
                 live = tl.full([BLOCK_N], g, tl.int32) < g_end  # (scalar & vector trips the interpreter)
                 n_ok = n_mask & live
-                packed = tl.load(qw_ptr + (g * (GROUP // 8) + offs_kg // 8)[:, None].to(tl.int64) * stride_qk
+                packed = tl.load(qw_ptr + (g * (PIECE // 8) + offs_kg // 8)[:, None].to(tl.int64) * stride_qk
                                  + offs_n[None, :], mask=n_ok[None, :], other=0)
                 codes = (packed >> shifts[:, None]) & 0xF
                 if X_TY == tl.float32:
@@ -361,9 +366,9 @@ def _w4a16_kernel(
                 else:
                     w_codes = (codes | MAGIC).to(tl.int16).to(X_TY, bitcast=True)
                 m_ok = m_mask & (tl.full([BLOCK_M], g, tl.int32) < g_end)
-                x = tl.load(x_rows + g * GROUP + offs_kg[None, :], mask=m_ok[:, None], other=0.0)
-                sc = tl.load(sc_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                mn = tl.load(mn_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + g * PIECE + offs_kg[None, :], mask=m_ok[:, None], other=0.0)
+                sc = tl.load(sc_ptr + (g // R_T) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                mn = tl.load(mn_ptr + (g // R_T) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 d = dot(x, w_codes, DOT_PRECISION, DOT_UPCAST)
                 x_sum = tl.sum(x.to(tl.float32), axis=1)
                 acc += d * sc[None, :]  # two FMAs per element (a sum of the two products would take three)
@@ -457,6 +462,12 @@ def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def piece(group_size: int) -> int:
+    """Inputs the kernels take per scaling step: the group, or 32 of it for larger groups (the kernels' R and
+    SUB/PIECE; the pieces of a group share its scale and min)."""
+    return min(group_size, 32)
+
+
 def is_group_size(group_size: int) -> bool:
     """Whether the kernels take groups of this many inputs: a power of two of at least 8."""
     return group_size >= 8 and group_size & (group_size - 1) == 0
@@ -504,11 +515,16 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         return x @ wt
     assert cfg.gemv or w.group_size >= 16, "tensor-core tiles need groups of >= 16 inputs"
     assert not cfg.gemv or cfg.block_m in (1, 2, 4), f"a GEMV program takes 1, 2 or 4 rows, not {cfg.block_m}"
-    # Whole groups per step (check_weight: a group is whole words); the GEMV's step a power of two of them.
-    assert cfg.block_k % w.group_size == 0, f"block_k {cfg.block_k} is not whole groups of {w.group_size}"
-    groups = cfg.block_k // w.group_size
-    assert not cfg.gemv or groups & (groups - 1) == 0, (
-        f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
+    # The GEMV's step is a power of two of whole groups (check_weight: a group is whole words); the tiles' whole
+    # pieces (:func:`piece`).
+    if cfg.gemv:
+        assert cfg.block_k % w.group_size == 0, f"block_k {cfg.block_k} is not whole groups of {w.group_size}"
+        groups = cfg.block_k // w.group_size
+        assert groups & (groups - 1) == 0, (
+            f"a GEMV step holds a power-of-two number of groups (block_k {cfg.block_k}, group {w.group_size})")
+    else:
+        assert cfg.block_k % piece(w.group_size) == 0, (
+            f"block_k {cfg.block_k} is not whole pieces of {piece(w.group_size)} (group {w.group_size})")
     k_per_split, split_k = _k_split(k, cfg)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     num_m, num_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)

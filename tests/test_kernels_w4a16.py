@@ -43,7 +43,7 @@ def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
     x = torch.randn((m, k), generator=gen).to(dtype).to(DEVICE)
     cfg = W4A16Config(block_m=1 if gemv else 16, block_n=32, block_k=64, split_k=split_k, gemv=gemv)
-    out = w4a16_matmul(x, w, cfg)
+    out = w4a16_matmul(x, w, cfg, dequant=False)  # the kernel itself (so small a tile grid would expand W)
     ref = w4a16_reference(x, w)
     assert out.dtype == dtype and out.shape == (m, n)
     assert _rel_err(out, ref) <= tol
@@ -241,7 +241,7 @@ def test_from_gguf_q4_matches_gguf_package_and_kernel(qtype):
     w = W4A16Weight(w.qweight.to(DEVICE), w.scales.to(DEVICE), w.mins.to(DEVICE), w.group_size)
     x = torch.randn(3, 256).to(DEVICE)
     ref = x @ torch.from_numpy(gguf.quants.dequantize(raw, gtype)).to(DEVICE).t()
-    assert _rel_err(w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=128)), ref) <= 1e-5
+    assert _rel_err(w4a16_matmul(x, w, W4A16Config(block_n=32, block_k=128), dequant=False), ref) <= 1e-5
 
 
 def test_w4a16_launcher_rejects_bad_inputs():
@@ -253,24 +253,26 @@ def test_w4a16_launcher_rejects_bad_inputs():
                      W4A16Weight(w.qweight, w.scales[:1], w.mins[:1], w.group_size))
 
 
-@pytest.mark.parametrize("m,gemv,block_k,split_k", [(1, True, 256, 1), (2, True, 128, 3), (5, False, 128, 2)])
+@pytest.mark.parametrize("m,gemv,block_k,split_k",
+                         [(1, True, 256, 1), (2, True, 128, 3), (5, False, 128, 2), (5, False, 32, 3)])
 def test_group_128(m, gemv, block_k, split_k):
-    # --quantize w4a16's groups: in the GEMV four pieces of 32 inputs sharing a scale and min, in the tiles one
-    # 128-deep dot per group.
+    # --quantize w4a16's groups, worked as four pieces of 32 inputs sharing a scale and min; in the tiles a step
+    # of 32 and three splits cut groups in the middle (splits of 224 inputs).
     n, k = 72, 128 * 5
     gen = torch.Generator().manual_seed(128)
     w = random_weight(n, k, group_size=128, device=DEVICE, seed=3)
     x = torch.randn((m, k), generator=gen).to(DEVICE)
     cfg = W4A16Config(block_m=min(m, 2) if gemv else 16, block_n=32, block_k=block_k, split_k=split_k, gemv=gemv)
     ref = w4a16_reference(x, w)
-    assert _rel_err(w4a16_matmul(x, w, cfg), ref) <= 1e-5
+    assert _rel_err(w4a16_matmul(x, w, cfg, dequant=False), ref) <= 1e-5  # (a small grid would expand W)
     assert _rel_err(w4a16_matmul(x, w), ref) <= 1e-5  # the launcher's default for group 128
     # Negative control: the scales read as if the groups were 32 inputs (the first quarter of the rows of a
     # 4x taller scale table holding each scale once) is a different matrix.
     as32 = W4A16Weight(w.qweight, w.scales.repeat_interleave(4, 0), w.mins.repeat_interleave(4, 0), 32)
-    assert _rel_err(w4a16_matmul(x, as32, dataclasses.replace(cfg, block_k=max(block_k, 64))), ref) <= 1e-5
+    cfg32 = dataclasses.replace(cfg, block_k=max(block_k, 64))
+    assert _rel_err(w4a16_matmul(x, as32, cfg32, dequant=False), ref) <= 1e-5
     shuffled = W4A16Weight(w.qweight, w.scales.repeat(4, 1), w.mins.repeat(4, 1), 32)
-    assert _rel_err(w4a16_matmul(x, shuffled, dataclasses.replace(cfg, block_k=max(block_k, 64))), ref) > 0.05
+    assert _rel_err(w4a16_matmul(x, shuffled, cfg32, dequant=False), ref) > 0.05
 
 
 def _scale_units(w: torch.Tensor, q: W4A16Weight) -> torch.Tensor:
