@@ -184,15 +184,15 @@ def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) 
 def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     """Tensor-core tiles from M=2 up; the GEMV (1, 2 or 4 rows per program, FMA dot products) up to M=8."""
     # Tiles: rows in blocks of 16 up to M=16, of 64 (and 128 above M=64) beyond, as in the launcher's default.
+    # Tile steps are whole pieces (wq.piece: the group, or 32 of it); the GEMV bounds below count pieces per step.
     tall = (64, 128) if shape.m > 64 else (64,)
+    piece = wq.piece(shape.group_size)
     tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
-             for bn in (64, 128) for bk in (wq.piece(shape.group_size), 2 * wq.piece(shape.group_size))
-             for sk in (1, 2, 4, 8)
+             for bn in (64, 128) for bk in (piece, 2 * piece) for sk in (1, 2, 4, 8)
              for st in (3, 4) if shape.k // (sk * bk) >= 2] if 2 <= shape.m <= 16 else [
-        wq.W4A16Config(block_m=bm, block_n=bn, block_k=wq.piece(shape.group_size), split_k=sk, num_warps=w,
-                       num_stages=3)
+        wq.W4A16Config(block_m=bm, block_n=bn, block_k=piece, split_k=sk, num_warps=w, num_stages=3)
         for bm in tall for bn in (64, 128) for sk in (1, 2, 4, 8) for w in (4, 8)
-        if shape.k // (sk * wq.piece(shape.group_size)) >= 2]
+        if shape.k // (sk * piece) >= 2]
     tiles = tiles if shape.group_size >= 16 else []
     # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile,
     # and at 32 or fewer over the rows of a program (each row keeps two float32 accumulators per word). Several
@@ -201,8 +201,8 @@ def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
             for bm in (1, 2, 4) for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4)
             for w in (4, 8)
             if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0 and (bm == 1 or (bn == 32 and bm < 2 * shape.m))
-            and bk // wq.piece(shape.group_size) * bn <= 16 * 32 * w
-            and bm * (bk // wq.piece(shape.group_size)) * bn <= 32 * 32 * w] if shape.m <= 8 else []
+            and bk // piece * bn <= 16 * 32 * w
+            and bm * (bk // piece) * bn <= 32 * 32 * w] if shape.m <= 8 else []
     return gemv + tiles
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2, pdl_args, pdl_wait
+from stride.config import is_w4a16_group_size
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,10 @@ def _w4a16_kernel(
     n_mask = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    # Both paths work groups of more than 32 inputs as R pieces of 32 that share the group's scale and min (sum_k
+    # x_k code_k and sum_k x_k add over the pieces); :func:`piece` is PIECE.
+    R: tl.constexpr = (GROUP + 31) // 32
+    PIECE: tl.constexpr = GROUP // R
     if GEMV:
         # BLOCK_M (1-4) activation rows per program share each extracted code; a larger batch takes several
         # programs per weight tile, launched together (the row block is the fastest grid axis) so all but the
@@ -286,12 +291,9 @@ def _w4a16_kernel(
         # further row adds an FMA per weight and its activation work.
         # Rows past M read row M - 1 (unmasked loads; their results are never stored).
         tl.static_assert(BLOCK_M <= 4, "the GEMV takes up to 4 rows per program")
-        # Groups of more than 32 inputs are worked as R pieces of 32 that share a scale and a min (sum_k x_k
-        # code_k and sum_k x_k add over the pieces): the unrolled step is then the same as for 32, where one
-        # whole group of 128 per row of the tile took 4-6x as long to compile for sm_90 (local, triton 3.6).
-        R: tl.constexpr = (GROUP + 31) // 32
-        SUB: tl.constexpr = GROUP // R
-        G: tl.constexpr = BLOCK_K // SUB
+        # In pieces the unrolled step is the same as for groups of 32, where one whole group of 128 per row of the
+        # tile took 4-6x as long to compile for sm_90 (local, triton 3.6).
+        G: tl.constexpr = BLOCK_K // PIECE
         x_row0 = x_ptr + tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * stride_xm
         x_row1 = x_ptr + tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * stride_xm
         x_row2 = x_ptr + tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * stride_xm
@@ -311,14 +313,14 @@ def _w4a16_kernel(
         if EARLY:
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
-                stride_qk, stride_sg, acc0, acc1, acc2, acc3, SUB, G, BLOCK_M, True, True, R)
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, PIECE, G, BLOCK_M, True, True, R)
             k_first = k_lo + BLOCK_K
         else:
             pdl_wait(PDL)
         for k0 in range(k_first, k_hi, BLOCK_K):
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
-                stride_qk, stride_sg, acc0, acc1, acc2, acc3, SUB, G, BLOCK_M, EARLY, False, R)
+                stride_qk, stride_sg, acc0, acc1, acc2, acc3, PIECE, G, BLOCK_M, EARLY, False, R)
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
         if BLOCK_M > 1:
@@ -330,24 +332,21 @@ def _w4a16_kernel(
         acc = acc * _INV_SUM_UNIT
         pdl_wait(PDL)  # again (returns at once): nothing below may run before the kernel before completed
     else:
-        # Tensor-core tiles, one dot per group of up to 32: row k of the group's (GROUP, BLOCK_N) tile reads word k // 8
+        # Tensor-core tiles, one dot per piece: row k of the piece's (PIECE, BLOCK_N) tile reads word k // 8
         # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
-        # keeps nibble k % 8. Codes are exact in any float dtype, so the dot sums exact products; per group
+        # keeps nibble k % 8. Codes are exact in any float dtype, so the dot sums exact products; per piece
         # and column,
         #   sum_k x_k (code_k s + m) = s * dot + m * sum_k x_k
         # is applied in float32 (no dequantised weight is ever rounded). For 16-bit x a code is made by one OR:
         # bits 0x4300 | c are the bfloat16 128 + c, 0x6400 | c the float16 1024 + c; the offset's share,
-        # OFFSET * s * sum_k x_k, comes off with the mins. Groups of more than 32 inputs are worked as pieces of
-        # 32 that read their group's scale and min (as in the GEMV): a 128-deep tile of codes per dot took twice
-        # the registers and over three times the shared memory of the pipelined loop (212 against 107 registers,
-        # 168 KB against 42 KB; sm_90, local compile), so one program per SM. A step of BLOCK_K inputs unrolls
-        # BLOCK_K // PIECE pieces; pieces past the split's end load as zeros.
+        # OFFSET * s * sum_k x_k, comes off with the mins. One 128-deep tile of codes per group took twice the
+        # registers and over three times the shared memory of the pipelined loop that pieces of 32 take (212
+        # against 107 registers, 168 KB against 42 KB; sm_90, local compile), so one program per SM. A step of
+        # BLOCK_K inputs unrolls BLOCK_K // PIECE pieces; pieces past the split's end load as zeros.
         pdl_wait(PDL)
         X_TY: tl.constexpr = x_ptr.dtype.element_ty
         MAGIC: tl.constexpr = 0x4300 if X_TY == tl.bfloat16 else 0x6400
         OFFSET: tl.constexpr = 0.0 if X_TY == tl.float32 else (128.0 if X_TY == tl.bfloat16 else 1024.0)
-        R_T: tl.constexpr = (GROUP + 31) // 32
-        PIECE: tl.constexpr = GROUP // R_T
         offs_kg = tl.arange(0, PIECE)
         shifts = 4 * (offs_kg % 8)
         x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
@@ -367,8 +366,8 @@ def _w4a16_kernel(
                     w_codes = (codes | MAGIC).to(tl.int16).to(X_TY, bitcast=True)
                 m_ok = m_mask & (tl.full([BLOCK_M], g, tl.int32) < g_end)
                 x = tl.load(x_rows + g * PIECE + offs_kg[None, :], mask=m_ok[:, None], other=0.0)
-                sc = tl.load(sc_ptr + (g // R_T) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                mn = tl.load(mn_ptr + (g // R_T) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                sc = tl.load(sc_ptr + (g // R) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                mn = tl.load(mn_ptr + (g // R) * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 d = dot(x, w_codes, DOT_PRECISION, DOT_UPCAST)
                 x_sum = tl.sum(x.to(tl.float32), axis=1)
                 acc += d * sc[None, :]  # two FMAs per element (a sum of the two products would take three)
@@ -463,20 +462,15 @@ def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
 
 
 def piece(group_size: int) -> int:
-    """Inputs the kernels take per scaling step: the group, or 32 of it for larger groups (the kernels' R and
-    SUB/PIECE; the pieces of a group share its scale and min)."""
+    """Inputs the kernels take per scaling step: the group, or 32 of it for larger groups (the kernel's PIECE; the
+    pieces of a group share its scale and min)."""
     return min(group_size, 32)
-
-
-def is_group_size(group_size: int) -> bool:
-    """Whether the kernels take groups of this many inputs: a power of two of at least 8."""
-    return group_size >= 8 and group_size & (group_size - 1) == 0
 
 
 def check_weight(w: W4A16Weight) -> None:
     k, n = w.in_features, w.out_features
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous(), "qweight must be contiguous int32"
-    assert is_group_size(w.group_size) and k % w.group_size == 0, f"bad group_size {w.group_size} for K={k}"
+    assert is_w4a16_group_size(w.group_size) and k % w.group_size == 0, f"bad group_size {w.group_size} for K={k}"
     for name, t in (("scales", w.scales), ("mins", w.mins)):
         assert t.shape == (k // w.group_size, n), f"{name} must be (K/group, N), got {tuple(t.shape)}"
         check_float(name, t)
@@ -625,7 +619,7 @@ def quantize(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dty
     if weight.dim() != 2:
         raise ValueError(f"weight must be (out, in), got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    if not is_group_size(group_size):
+    if not is_w4a16_group_size(group_size):
         raise ValueError(f"group_size must be a power of two of at least 8, got {group_size}")
     if k % group_size:
         raise ValueError(f"in_features {k} is not a whole number of groups of {group_size}")

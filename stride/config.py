@@ -28,6 +28,12 @@ QUANTIZE_DEFAULT_GROUP = 128
 """Group of ``--quantize w4a16``: GPTQ's and AWQ's usual size; 0.53 bytes per weight with fp16 scales and mins."""
 
 
+def is_w4a16_group_size(group: int) -> bool:
+    """Whether the W4A16 kernels (``kernels/w4a16.py``) take groups of this many inputs: a power of two of at
+    least 8 (whole words; their tiles are powers of two)."""
+    return group >= 8 and group & (group - 1) == 0
+
+
 def quantize_group_size(spec: str) -> int:
     """The group size a ``--quantize`` value asks for, 0 for none: ``''``/``none``, ``w4a16`` (groups of
     :data:`QUANTIZE_DEFAULT_GROUP`) or ``w4a16-g<N>`` (N a power of two of at least 8). ``ValueError`` otherwise."""
@@ -38,10 +44,9 @@ def quantize_group_size(spec: str) -> int:
         return QUANTIZE_DEFAULT_GROUP
     if spec.startswith("w4a16-g") and spec[7:].isdigit():
         group = int(spec[7:])
-        if group >= 8 and group & (group - 1) == 0:
+        if is_w4a16_group_size(group):
             return group
     raise ValueError(f"quantize must be 'none', 'w4a16' or 'w4a16-g<N>' (N a power of two, at least 8), got {spec!r}")
-
 
 
 @dataclass(frozen=True)
