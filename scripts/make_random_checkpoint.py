@@ -43,6 +43,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         tie_word_embeddings=False,
     ),
+    # HuggingFaceTB/SmolLM2-135M(-Instruct), the default model's shape (its GGUF's metadata): tied embeddings.
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     # GQA, llama3 scaling that bites at short lengths (original context 64), untied embeddings.
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"],

@@ -77,7 +77,8 @@ def write_gguf(cfg: dict[str, Any], out: str, qtype: str, seed: int, device: str
         return torch.randn(*shape, generator=gen, device=device) * 0.02
 
     w.add_tensor("token_embd.weight", normal(cfg["vocab_size"], hidden).half().cpu().numpy())
-    w.add_tensor("output.weight", normal(cfg["vocab_size"], hidden).half().cpu().numpy())
+    if not cfg.get("tie_word_embeddings"):  # tied: the head reads token_embd, as in SmolLM2's GGUF
+        w.add_tensor("output.weight", normal(cfg["vocab_size"], hidden).half().cpu().numpy())
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     linears = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
                "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
