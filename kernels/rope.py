@@ -2,7 +2,8 @@
 
 One launch rotates q and k in place for every token: each program takes one token, reads its
 cos/sin row once (by position from a table, :func:`apply_rope`, or the token's own row, :func:`apply_rope_cos_sin`,
-which the worker uses) and applies it to all query and key heads.
+which the worker uses) and applies it to all query and key heads. The worker's variant can also write the
+token's rotated key and its value into the paged KV cache in the same launch (:class:`KVWrite`).
 """
 
 from __future__ import annotations
@@ -75,14 +76,17 @@ def _rounded(x, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     num_q_heads, num_k_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, second_half,
+    stride_vt, stride_vh, stride_cs, stride_ch,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BY_POSITION: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    CACHE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
+    if CACHE:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
     if BY_POSITION:
         row = tl.load(pos_ptr + tok).to(tl.int64)
     else:
@@ -123,6 +127,18 @@ def _rope_kernel(
                 out2 = b * cos2 + a * sin2
             tl.store(ptrs, out1.to(x1.dtype), mask=mask)
             tl.store(ptrs + half, out2.to(x1.dtype), mask=mask)
+            if CACHE and which == 1:  # the rotated key, and below the value, into the token's cache slot
+                cptrs = kc_ptr + slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+                tl.store(cptrs, out1.to(x1.dtype), mask=mask)
+                tl.store(cptrs + half, out2.to(x1.dtype), mask=mask)
+    if CACHE:
+        for h0 in range(0, num_k_heads, BLOCK_H):
+            heads = h0 + offs_h
+            mask = (heads[:, None] < num_k_heads) & d_mask[None, :]
+            vptrs = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
+            cptrs = vc_ptr + slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+            tl.store(cptrs, tl.load(vptrs, mask=mask, other=0.0), mask=mask)
+            tl.store(cptrs + half, tl.load(vptrs + half, mask=mask, other=0.0), mask=mask)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -134,20 +150,48 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
     assert q.shape[2] % 2 == 0, "head_dim must be even"
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """Where :func:`apply_rope_cos_sin` also writes each token's rotated key and its value: ``v`` (num_tokens,
+    num_kv_heads, head_dim), the paged caches (num_blocks, block_size, num_kv_heads, head_dim) of k's dtype, and
+    ``slots`` (num_tokens,) int64, token t's row ``block * block_size + offset`` of the caches (the attention
+    metadata's ``slot_mapping``)."""
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+
+
+def _check_kv_write(k: torch.Tensor, kv: KVWrite) -> None:
+    assert kv.v.shape == k.shape and kv.v.dtype == k.dtype and kv.v.stride(2) == 1, "v must be laid out like k"
+    for name, c in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
+        assert c.dim() == 4 and c.shape[2:] == k.shape[1:], f"{name} must be (blocks, block_size, kv_heads, head_dim)"
+        assert c.dtype == k.dtype, f"{name} must be in k's dtype"
+        assert c.is_contiguous(), f"{name} must be contiguous"
+    assert kv.v_cache.shape == kv.k_cache.shape, "k_cache and v_cache must have one shape"
+    assert kv.slots.shape == (k.shape[0],) and kv.slots.dtype in (torch.int32, torch.int64), "one slot per token"
+
+
 def _launch(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-    second_half: int, round_products: bool,
+    second_half: int, round_products: bool, kv: KVWrite | None = None,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     block_h = min(16, next_pow2(max(num_q_heads, k.shape[1])))
+    if kv is not None:
+        cache = (kv.v, kv.k_cache, kv.v_cache, kv.slots, kv.v.stride(0), kv.v.stride(1), kv.k_cache.stride(1),
+                 kv.k_cache.stride(2))
+    else:
+        cache = (q, q, q, q, 0, 0, 0, 0)
     # No fused multiply-adds: a float32 run must round each product as the unfused PyTorch ops do.
     _rope_kernel[(num_tokens,)](
-        q, k, positions if positions is not None else q, cos, sin, num_q_heads, k.shape[1], head_dim // 2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), second_half,
-        BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
-        ROUND_PRODUCTS=round_products, num_warps=4, enable_fp_fusion=False, **pdl_args(q),
+        q, k, positions if positions is not None else q, cos, sin, *cache[:4], num_q_heads, k.shape[1],
+        head_dim // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), second_half,
+        *cache[4:], BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
+        ROUND_PRODUCTS=round_products, CACHE=kv is not None, num_warps=4, enable_fp_fusion=False, **pdl_args(q),
     )
 
 
@@ -165,19 +209,33 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     _launch(q, k, positions, cos_sin, cos_sin[:, half:], 0, round_products=False)
 
 
-def apply_rope_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def apply_rope_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv: KVWrite | None = None) -> None:
     """Rotate q and k in place, one launch, with per-token ``cos``/``sin`` rows (num_tokens, head_dim) in q's
     dtype, as transformers makes them (``cat(freqs, freqs)`` in float32, then cast).
 
     Rounds exactly where eager ``x * cos + rotate_half(x) * sin`` rounds (each product, then the sum), so it
     gives bit for bit what :func:`apply_rope_cos_sin_reference` gives, in every dtype.
+
+    ``kv``: the same launch also writes the rotated keys and the values into the paged KV cache (the worker's
+    decode then spends no separate launches on that; :class:`KVWrite`), as
+    :func:`write_kv_reference` does.
     """
     _check_qk(q, k)
+    if kv is not None:
+        _check_kv_write(k, kv)
     num_tokens, _, head_dim = q.shape
     for name, t in (("cos", cos), ("sin", sin)):
         assert t.shape == (num_tokens, head_dim), f"{name} must be ({num_tokens}, {head_dim}), got {tuple(t.shape)}"
         assert t.dtype == q.dtype and t.stride(1) == 1, f"{name} must be contiguous rows in q's dtype"
-    _launch(q, k, None, cos, sin, head_dim // 2, round_products=True)
+    _launch(q, k, None, cos, sin, head_dim // 2, round_products=True, kv=kv)
+
+
+def write_kv_reference(k: torch.Tensor, kv: KVWrite) -> None:
+    """Each token's key and value into its cache slot (one index_put per cache), as the reference backend does."""
+    heads, head_dim = k.shape[1:]
+    kv.k_cache.view(-1, heads, head_dim)[kv.slots.long()] = k
+    kv.v_cache.view(-1, heads, head_dim)[kv.slots.long()] = kv.v
 
 
 def apply_rope_cos_sin_reference(

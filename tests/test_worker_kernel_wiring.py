@@ -26,6 +26,7 @@ from kernels.rmsnorm import RMSNormConfig
 from kernels.silu_mul import SiluMulConfig
 from kernels.w4a16 import W4A16Config, random_weight
 from stride.workers import kernel_configs
+from stride.workers.attention import TorchPagedAttention
 from stride.workers.models import layers
 from stride.workers.models.args import ModelArgs, RopeScaling
 from stride.workers.runner import ModelRunner
@@ -78,18 +79,59 @@ def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None
         torch.testing.assert_close(q2[:6].float(), want_q[:6].float(), atol=0.1, rtol=0.02)
 
 
-def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype) -> None:
+    """The fused path's one launch also writes the cache: q and k as the torch path rotates them, and both caches
+    as the reference backend's write_kv leaves them (the rotated k and v at each token's slot, every other slot
+    as it was)."""
+    args = ModelArgs(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
+                     num_kv_heads=3, head_dim=64, rope_theta=100000.0)
+    positions = torch.tensor([5, 6, 7, 40, 41, 0], device=DEVICE)
+    slots = torch.tensor([13, 14, 15, 28, 31, 0], device=DEVICE)  # blocks of 4: block 3, block 7, block 0
+    cos, sin = layers.rope_cos_sin(args.inv_freq().to(DEVICE), positions, dtype)
+    qkv = _qkv(len(positions), dtype, seed=2)
+    q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
+    before_k = torch.full((8, 4, 3, 64), 7.0, dtype=dtype, device=DEVICE)
+    before_v = torch.full_like(before_k, -7.0)
+    want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+    want_kc, want_vc = before_k.clone(), before_v.clone()
+    TorchPagedAttention().write_kv(want_k, v, want_kc, want_vc, SimpleNamespace(slot_mapping=slots))
+    rope = layers.Rope()
+    rope.fused = True
+    k_cache, v_cache = before_k.clone(), before_v.clone()
+    rope.rotate_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    # Negative controls: the reference wrote 6 of the 32 slots, and other slots give other caches.
+    assert int((want_kc != before_k).flatten(2).any(-1).sum()) == 6
+    k_cache, v_cache = before_k.clone(), before_v.clone()
+    qkv2 = _qkv(len(positions), dtype, seed=2)
+    rope.rotate_into_cache(qkv2[:, :9], qkv2[:, 9:12], qkv2[:, 12:], cos, sin, k_cache, v_cache, slots.flip(0))
+    assert not torch.equal(k_cache, want_kc) and not torch.equal(v_cache, want_vc)
+
+
+def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: rope_kernels.KVWrite | None = None) -> None:
     """The wrong layout: rotates pairs (2i, 2i + 1) (llama.cpp's) instead of halves."""
     half = q.shape[-1] // 2
     for x in (q, k):
         a, b = x[..., 0::2].clone(), x[..., 1::2].clone()
         c, s = cos[:, None, :half], sin[:, None, :half]
         x[..., 0::2], x[..., 1::2] = a * c - b * s, b * c + a * s
+    if kv is not None:
+        rope_kernels.write_kv_reference(k, kv)
 
 
-def _backwards(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _backwards(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv: rope_kernels.KVWrite | None = None) -> None:
     """The wrong direction: the real kernel rotating by minus the angle."""
-    rope_kernels.apply_rope_cos_sin(q, k, cos, -sin)
+    rope_kernels.apply_rope_cos_sin(q, k, cos, -sin, kv=kv)
+
+
+def _no_cache(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kv: rope_kernels.KVWrite | None = None) -> None:
+    """The right rotation, but the keys and values never reach the cache."""
+    rope_kernels.apply_rope_cos_sin(q, k, cos, sin)
 
 
 def _max_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -103,7 +145,8 @@ def test_triton_worker_with_fused_rope_equals_torch_worker(tiny_path: Path, monk
     tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
     assert ref.args.rope_scaling.factor != 1.0  # llama3 scaling in play
     real = layers._kernel("rope").apply_rope_cos_sin
-    monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=real))
+    monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=real,
+                                                                 KVWrite=rope_kernels.KVWrite))
     fused = count_calls(monkeypatch, layers._KERNELS["rope"], "apply_rope_cos_sin")
     unfused = count_calls(monkeypatch, layers, "apply_rope")
     steps = Steps(40, 4, ref.args.vocab_size)
@@ -112,10 +155,11 @@ def test_triton_worker_with_fused_rope_equals_torch_worker(tiny_path: Path, monk
     got = steps.run(tri)
     assert fused["n"] == 5 * tri.args.num_layers and unfused["n"] == 2 * 5 * ref.args.num_layers
     assert _max_err(got, want) <= 1e-5
-    # Negative controls: a fused rope with the interleaved layout, or turning the wrong way, lands over 100x
-    # past that tolerance (the tiny random model's logits are small: |logit| < 1).
-    for wrong in (_interleaved, _backwards):
-        monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=wrong))
+    # Negative controls: a fused rope with the interleaved layout, turning the wrong way, or not writing the
+    # cache, lands over 100x past that tolerance (the tiny random model's logits are small: |logit| < 1).
+    for wrong in (_interleaved, _backwards, _no_cache):
+        monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=wrong,
+                                                                     KVWrite=rope_kernels.KVWrite))
         assert _max_err(steps.run(tri), want) > 1e-3, wrong.__name__
 
 

@@ -4,8 +4,8 @@ A step's tokens are flattened: sequence ``i`` owns tokens ``query_start_loc[i]:q
 which sit at the *last* ``query_lens[i]`` positions of its ``context_lens[i]``-token context. Key ``j`` of a
 sequence lives in physical block ``block_tables[i, j // block_size]`` at offset ``j % block_size`` of the
 cache (layout in :mod:`stride.workers.kv_cache`). Each layer first writes all of the step's new K/V
-(:meth:`AttentionBackend.write_kv`), then attends (:meth:`AttentionBackend.attend`), so two sequences of one
-step that share prefix blocks both see them.
+(:meth:`AttentionBackend.write_kv`, or with fused layers the RoPE launch), then attends
+(:meth:`AttentionBackend.attend`), so two sequences of one step that share prefix blocks both see them.
 
 Backends register by name (:func:`register_backend`); ``torch`` is the reference that runs anywhere. The
 Triton kernels plug in under another name and must agree with it.

@@ -5,8 +5,9 @@ Triton, and never has ``kernels`` switch on the interpreter behind its back. On 
 importing ``kernels`` turns on ``TRITON_INTERPRET`` and the same kernels run on CPU tensors (the CPU tests
 compare this backend with the torch one that way).
 
-K/V are written into the cache exactly as the torch backend writes them (one index_put per tensor), then
-one launch attends: ``paged_decode`` when every sequence of the step decodes (split-K over long contexts),
+K/V reach the cache from the fused RoPE launch (``Rope.rotate_into_cache``: the model layers run fused beside
+this backend), with the bits the torch backend's ``write_kv`` (one index_put per tensor, inherited here) writes;
+then one launch attends: ``paged_decode`` when every sequence of the step decodes (split-K over long contexts),
 ``paged_extend`` otherwise (prefill chunks and decode rows together). The step's maxima come from the host
 (:class:`AttentionMetadata`), so nothing here waits on the device. On CUDA both launches take the autotuned
 config of their shape bucket (:mod:`stride.workers.kernel_configs`), or the launcher's default where none is
@@ -23,7 +24,7 @@ from stride.workers.kernel_configs import for_device
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """Writes K/V as the reference does (inherited ``write_kv``); attends with the Triton kernels."""
+    """Attends with the Triton kernels; K/V come from the fused RoPE launch (``write_kv`` is the reference's)."""
 
     name = "triton"
     fused_layers = True

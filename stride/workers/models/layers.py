@@ -9,10 +9,11 @@ side by side in one weight, which is one matmul instead of three on the hot path
 
 RMSNorm, RoPE and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
 Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, q and k rotated in place in one
-launch, SiLU-and-mul in one pass), which :func:`use_fused_kernels` switches on per model when the worker runs
-the ``triton`` backend. Both round where transformers rounds, so they agree to float rounding (RoPE bit for
-bit). On CUDA the fused calls take their launch configs from the autotune cache
-(:mod:`stride.workers.kernel_configs`), or the launchers' heuristics where it has none.
+launch that also writes k and v into the paged KV cache, SiLU-and-mul in one pass), which
+:func:`use_fused_kernels` switches on per model when the worker runs the ``triton`` backend. Both round where
+transformers rounds, so they agree to float rounding (RoPE and the cache bit for bit). On CUDA the fused calls
+take their launch configs from the autotune cache (:mod:`stride.workers.kernel_configs`), or the launchers'
+heuristics where it has none.
 
 :class:`W4A16Linear` is the 4-bit variant of both linears: the loader swaps it in (before any weight is
 allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``).
@@ -252,6 +253,17 @@ class Rope(nn.Module):
             _kernel("rope").apply_rope_cos_sin(q, k, cos, sin)
             return q, k
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def rotate_into_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> None:
+        """Fused path only: rotate q and k in place and write the rotated k and v into the paged caches at
+        ``slot_mapping``, all in one launch (the unfused path is :meth:`forward` and the backend's ``write_kv``,
+        two index_puts: same bits)."""
+        assert self.fused, "rotate_into_cache is the fused path"
+        rope = _kernel("rope")
+        rope.apply_rope_cos_sin(q, k, cos, sin, kv=rope.KVWrite(v, k_cache, v_cache, slot_mapping))
 
 
 class GatedMLP(nn.Module):

@@ -62,14 +62,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q, k = self.rope(
-            q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            cos, sin,
-        )
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
         # Write first, for every sequence of the step, then attend: shared prefix blocks are then complete.
-        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
+        if self.rope.fused:  # one launch rotates and writes the cache (two index_puts fewer per layer)
+            self.rope.rotate_into_cache(q, k, v, cos, sin, k_cache, v_cache, ctx.meta.slot_mapping)
+        else:
+            q, k = self.rope(q, k, cos, sin)
+            ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
