@@ -15,7 +15,8 @@ GPTQ/AWQ size (0.53 bytes per weight with fp16 scales and mins, against 0.625 at
 From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
 W once into a per-device scratch matrix of x's dtype and multiplies that with cuBLAS: there the product is bound
 by matrix throughput, which the 4-bit kernels (exact per-group scaling on CUDA cores) do not reach. It does the
-same from 9 rows for a weight too small for the tile kernel to fill the GPU (:data:`TILE_MIN_PROGRAMS`). The weights
+same below that whenever the tensor-core tiles would not fill the GPU (:data:`TILE_MIN_PROGRAMS`): with the
+default configs that is from 9 rows (up to 8 take the GEMV), with an explicit tile config at any row count. The weights
 are then rounded to x's dtype (bfloat16: 8 significant bits), as a 16-bit checkpoint's are; below the threshold
 the codes stay exact.
 """
@@ -75,11 +76,11 @@ layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (230 vs 273 us), fro
 1,421 vs 7,543 us at 2,048 rows)."""
 
 TILE_MIN_PROGRAMS = 128
-"""Below :data:`DEQUANT_MIN_ROWS`, rows past the GEMV (9-16) are still expanded when the tile kernel would run
-fewer programs than this: each program walks its K range one 32-input group at a time, so a grid that does not
-fill the GPU is bound by that chain. H200 (docs/perf.md), 16 rows: SmolLM2-135M's projections (5-24 programs)
-took 21-31 us on the tiles against 5.4-6.8 us expanded; Llama-3.1-8B's (256-448 programs) were faster on the
-tiles."""
+"""Below :data:`DEQUANT_MIN_ROWS`, rows on the tile kernel (by default 9-16, past the GEMV) are still expanded
+when it would run fewer programs than this: each program walks its K range one 32-input group at a time, so a grid
+that does not fill the GPU is bound by that chain. H200 (docs/perf.md), 16 rows: SmolLM2-135M's projections
+(5-24 programs) took 21-31 us on the tiles against 5.4-6.8 us expanded; Llama-3.1-8B's (256-448 programs) were
+faster on the tiles."""
 
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
@@ -489,7 +490,8 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
 
     ``dequant``: expand W into the scratch matrix and multiply with cuBLAS (weights rounded to x's dtype); None
     does so from :data:`DEQUANT_MIN_ROWS` rows whatever ``config`` says (it configures the 4-bit kernel), and
-    from 9 rows when the tile kernel's grid would hold fewer than :data:`TILE_MIN_PROGRAMS` programs.
+    for a tile config (the default from 9 rows) whose grid would hold fewer than :data:`TILE_MIN_PROGRAMS`
+    programs.
 
     One launch for the 4-bit kernel (two: expansion and matmul). Calls that split K share per-device arrival
     counters, and the expansion a per-device scratch matrix: issue them on one stream (the worker's), and make

@@ -171,3 +171,19 @@ def test_random_gguf_quantiser_matches_gguf(qtype: str) -> None:
     assert np.array_equal(got, want)
     # Negative control: codes rounded down instead of to nearest are other bytes.
     assert not np.array_equal(make["quantise_q4"](w - 0.3 * w.abs().amax() / 15, qtype), want)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_random_gguf_of_a_tied_preset_has_no_output_matrix(tmp_path: Path, tied: bool) -> None:
+    """scripts/make_random_gguf.py writes a tied preset (smollm2-135m's shape) the way SmolLM2's own GGUF is
+    written: no output.weight, the head reads token_embd; an untied one has its own head."""
+    make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
+    cfg = dict(make["PRESETS"]["smollm2-135m"], num_hidden_layers=1, vocab_size=64, tie_word_embeddings=tied)
+    out = tmp_path / "m.gguf"
+    make["write_gguf"](cfg, str(out), "Q4_1", 0, "cpu")
+    names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert ("output.weight" in names) != tied and "token_embd.weight" in names
+    model = load_model(str(out))
+    assert model.args.tie_word_embeddings == tied
+    shared = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert shared == tied
