@@ -181,16 +181,17 @@ def _launch(
     if num_tokens == 0:
         return
     block_h = min(16, next_pow2(max(num_q_heads, k.shape[1])))
+    # The cache operands (v, the two caches, the slots) and their strides; q stands in for unused pointers.
     if kv is not None:
-        cache = (kv.v, kv.k_cache, kv.v_cache, kv.slots, kv.v.stride(0), kv.v.stride(1), kv.k_cache.stride(1),
-                 kv.k_cache.stride(2))
+        cache_ptrs = (kv.v, kv.k_cache, kv.v_cache, kv.slots)
+        cache_strides = (kv.v.stride(0), kv.v.stride(1), kv.k_cache.stride(1), kv.k_cache.stride(2))
     else:
-        cache = (q, q, q, q, 0, 0, 0, 0)
+        cache_ptrs, cache_strides = (q, q, q, q), (0, 0, 0, 0)
     # No fused multiply-adds: a float32 run must round each product as the unfused PyTorch ops do.
     _rope_kernel[(num_tokens,)](
-        q, k, positions if positions is not None else q, cos, sin, *cache[:4], num_q_heads, k.shape[1],
+        q, k, positions if positions is not None else q, cos, sin, *cache_ptrs, num_q_heads, k.shape[1],
         head_dim // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), second_half,
-        *cache[4:], BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
+        *cache_strides, BLOCK_D=next_pow2(head_dim // 2), BLOCK_H=block_h, BY_POSITION=positions is not None,
         ROUND_PRODUCTS=round_products, CACHE=kv is not None, num_warps=4, enable_fp_fusion=False, **pdl_args(q),
     )
 
@@ -218,8 +219,8 @@ def apply_rope_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
     gives bit for bit what :func:`apply_rope_cos_sin_reference` gives, in every dtype.
 
     ``kv``: the same launch also writes the rotated keys and the values into the paged KV cache (the worker's
-    decode then spends no separate launches on that; :class:`KVWrite`), as
-    :func:`write_kv_reference` does.
+    decode then spends no separate launches on that; :class:`KVWrite`), as the reference attention backend's
+    ``write_kv`` (``stride/workers/attention.py``) does.
     """
     _check_qk(q, k)
     if kv is not None:
@@ -229,13 +230,6 @@ def apply_rope_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin:
         assert t.shape == (num_tokens, head_dim), f"{name} must be ({num_tokens}, {head_dim}), got {tuple(t.shape)}"
         assert t.dtype == q.dtype and t.stride(1) == 1, f"{name} must be contiguous rows in q's dtype"
     _launch(q, k, None, cos, sin, head_dim // 2, round_products=True, kv=kv)
-
-
-def write_kv_reference(k: torch.Tensor, kv: KVWrite) -> None:
-    """Each token's key and value into its cache slot (one index_put per cache), as the reference backend does."""
-    heads, head_dim = k.shape[1:]
-    kv.k_cache.view(-1, heads, head_dim)[kv.slots.long()] = k
-    kv.v_cache.view(-1, heads, head_dim)[kv.slots.long()] = kv.v
 
 
 def apply_rope_cos_sin_reference(

@@ -119,7 +119,7 @@ def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         c, s = cos[:, None, :half], sin[:, None, :half]
         x[..., 0::2], x[..., 1::2] = a * c - b * s, b * c + a * s
     if kv is not None:
-        rope_kernels.write_kv_reference(k, kv)
+        TorchPagedAttention().write_kv(k, kv.v, kv.k_cache, kv.v_cache, SimpleNamespace(slot_mapping=kv.slots))
 
 
 def _backwards(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
