@@ -56,8 +56,8 @@ _PDL_ON = [False]
 
 
 def set_pdl(enabled: bool) -> bool:
-    """Allow or forbid (the default) PDL launches from now on; returns the previous setting. The worker turns
-    it on with ``STRIDE_PDL=1``; benchmarks time graphs both ways."""
+    """Allow or forbid (the default at import) PDL launches from now on; returns the previous setting. The
+    worker turns it on unless ``STRIDE_PDL=0``; benchmarks time graphs both ways."""
     previous, _PDL_ON[0] = _PDL_ON[0], enabled
     return previous
 
@@ -80,10 +80,22 @@ def pdl_args(t: torch.Tensor) -> dict[str, object]:
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """With PDL: wait until the kernel before has completed and its writes are visible, then let the kernel
-    after launch. Every program of a PDL kernel must pass here before it reads or writes anything an earlier
-    kernel touches, and before it exits (so a kernel's completion implies its predecessor's)."""
+def pdl_wait(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
+    """With PDL: wait until the kernel before has completed and its writes are visible, then (``RELEASE``) let
+    the kernel after launch. Every program of a PDL kernel must pass here before it reads or writes anything an
+    earlier kernel touches, and before it exits (so a kernel's completion implies its predecessor's).
+
+    A long kernel passes ``RELEASE=False`` and calls :func:`pdl_release` near its end instead: the kernel after
+    is launched once every program has released (or exited), and its programs sit on the SMs, waiting, from then
+    on; launched at the start of a 20 us GEMV they took its SMs' slots for all of it."""
     if PDL:
         gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """With PDL: let the kernel after launch (it still waits in :func:`pdl_wait` until this one completed)."""
+    if PDL:
         gdc_launch_dependents()

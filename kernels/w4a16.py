@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2, pdl_args, pdl_wait
+from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2, pdl_args, pdl_release, pdl_wait
 from stride.config import is_w4a16_group_size
 
 
@@ -200,7 +200,7 @@ def _gemv_step(
         if W > 3:
             p3 = _word_tile(qw_ptr, gs, 3, W, stride_qk, offs_n, mask_g)
     if WAIT:
-        pdl_wait(WAIT)  # activations only after this
+        pdl_wait(WAIT, False)  # activations only after this (the kernel after is released after the K loop)
     dot0 = tl.zeros_like(sc)
     dot1 = tl.zeros_like(sc)
     dot2 = tl.zeros_like(sc)
@@ -255,7 +255,7 @@ def _w4a16_kernel(
     stride_xm, stride_qk, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ONE_STEP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     if GEMV:
         pid_m = tl.program_id(0)  # rows fastest: the rows of one weight tile are launched together
@@ -304,12 +304,14 @@ def _w4a16_kernel(
         acc1 = tl.zeros([G, BLOCK_N], tl.float32)
         acc2 = tl.zeros([G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G, BLOCK_N], tl.float32)
-        # With PDL and one row the first step runs alone: its weights are loaded before the wait (no kernel of
-        # a forward writes weights), so they are in flight while the kernel before finishes. Several rows with
-        # PDL wait first and then run the plain loop: their staged steps, unrolled over every row, took minutes
-        # to compile (4 rows, 1,024-input steps: 198 s against 5 s; 2 rows: 30 s against 3). Without PDL, one
+        # With PDL, one row and one K step per program (``ONE_STEP``: o and qkv at 8B shapes) that step runs
+        # alone: its weights are loaded before the wait (no kernel of a forward writes weights), so they are in
+        # flight while the kernel before finishes. Programs of several steps wait first (staged, down's were 2 us
+        # slower in the worker, docs/perf.md); several rows too: their staged steps, unrolled over every row,
+        # took minutes to compile (4 rows, 1,024-input steps: 198 s against 5 s; 2 rows: 30 s against 3). Every
+        # path lets the kernel after launch only once its K loop is done (``pdl_release``). Without PDL, one
         # loop (the code is then the same as before PDL existed).
-        EARLY: tl.constexpr = PDL and BLOCK_M == 1
+        EARLY: tl.constexpr = PDL and BLOCK_M == 1 and ONE_STEP
         k_first = k_lo
         if EARLY:
             acc0, acc1, acc2, acc3 = _gemv_step(
@@ -317,7 +319,7 @@ def _w4a16_kernel(
                 stride_qk, stride_sg, acc0, acc1, acc2, acc3, PIECE, G, BLOCK_M, True, True, R)
             k_first = k_lo + BLOCK_K
         else:
-            pdl_wait(PDL)
+            pdl_wait(PDL, False)
         for k0 in range(k_first, k_hi, BLOCK_K):
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
@@ -331,7 +333,7 @@ def _w4a16_kernel(
         if BLOCK_M > 3:
             acc = tl.where(rows == 3, tl.sum(acc3, axis=0)[None, :], acc)
         acc = acc * _INV_SUM_UNIT
-        pdl_wait(PDL)  # again (returns at once): nothing below may run before the kernel before completed
+        pdl_release(PDL)  # (every path above has waited)
     else:
         # Tensor-core tiles, one dot per piece: row k of the piece's (PIECE, BLOCK_N) tile reads word k // 8
         # (eight rows share a word, from L1; expanding each word once in registers measured no faster) and
@@ -344,7 +346,7 @@ def _w4a16_kernel(
         # registers and over three times the shared memory of the pipelined loop that pieces of 32 take (212
         # against 107 registers, 168 KB against 42 KB; sm_90, local compile), so one program per SM. A step of
         # BLOCK_K inputs unrolls BLOCK_K // PIECE pieces; pieces past the split's end load as zeros.
-        pdl_wait(PDL)
+        pdl_wait(PDL, False)
         X_TY: tl.constexpr = x_ptr.dtype.element_ty
         MAGIC: tl.constexpr = 0x4300 if X_TY == tl.bfloat16 else 0x6400
         OFFSET: tl.constexpr = 0.0 if X_TY == tl.float32 else (128.0 if X_TY == tl.bfloat16 else 1024.0)
@@ -373,6 +375,7 @@ def _w4a16_kernel(
                 x_sum = tl.sum(x.to(tl.float32), axis=1)
                 acc += d * sc[None, :]  # two FMAs per element (a sum of the two products would take three)
                 acc += x_sum[:, None] * (mn - OFFSET * sc)[None, :]
+        pdl_release(PDL)
     mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -534,7 +537,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, GEMV=cfg.gemv, **dot_args(x.dtype),
+        SPLIT_K=split_k, GEMV=cfg.gemv, ONE_STEP=k_per_split <= cfg.block_k, **dot_args(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
     )
     return out

@@ -122,11 +122,12 @@ def test_gate_rejects_broken_variants_when_compiled():
 
 
 def test_pdl_chain_in_a_graph_equals_eager():
-    """A dependent chain of every PDL kernel (RMSNorm+residual, the W4A16 GEMV one row per program with its first
-    step's weights staged before the wait, and two rows per program with split-K, which wait first; SiLU-mul,
-    RoPE in place, split decode attention and its reduction), captured in a CUDA graph with programmatic
-    dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each kernel reads what
-    the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten memory."""
+    """A dependent chain of every PDL kernel (RMSNorm+residual; the W4A16 GEMV one row per program over several
+    steps, which waits first, in one step, whose weights are loaded before the wait, and two rows per program
+    with split-K; SiLU-mul, RoPE in place, split decode attention and its reduction), captured in a CUDA graph
+    with programmatic dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each
+    kernel reads what the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten
+    memory."""
     from kernels._util import pdl_args, set_pdl
     from kernels.rope import apply_rope_cos_sin
     from kernels.silu_mul import silu_mul
@@ -136,10 +137,12 @@ def test_pdl_chain_in_a_graph_equals_eager():
     p = _problem([900, 1, 333, 1200], [1] * batch, torch.bfloat16, seed=3)
     w_up = random_weight(2 * inter, k, device=CUDA, scale_dtype=torch.bfloat16, seed=1)
     w_down = random_weight(k, inter, device=CUDA, scale_dtype=torch.bfloat16, seed=2)
+    w_sq = random_weight(k, k, device=CUDA, scale_dtype=torch.bfloat16, seed=4)
     norm_w = torch.rand(k, device=CUDA, dtype=torch.bfloat16) + 0.5
     cos, sin = torch.rand(2, batch, HEAD_DIM, device=CUDA, dtype=torch.bfloat16)
     gemv = W4A16Config(block_m=2, block_n=32, block_k=256, split_k=1, num_warps=4, gemv=True)
     gemv_split = dataclasses.replace(gemv, split_k=4)
+    one_step = W4A16Config(block_m=1, block_n=32, block_k=inter, split_k=1, num_warps=8, gemv=True)
     decode = pa.DecodeConfig(64, 256)
     x = torch.randn(batch, k, device=CUDA, dtype=torch.bfloat16)
     res = torch.randn_like(x)
@@ -151,7 +154,8 @@ def test_pdl_chain_in_a_graph_equals_eager():
             seen.append(pdl_args(h))
             normed, r = rmsnorm(h, norm_w, 1e-5, r)
             up = silu_mul(w4a16_matmul(normed, w_up, dataclasses.replace(gemv, block_m=1)))
-            q = w4a16_matmul(up, w_down, gemv_split).view(batch, HEADS, HEAD_DIM)
+            d = w4a16_matmul(up, w_down, one_step)
+            q = w4a16_matmul(d, w_sq, gemv_split).view(batch, HEADS, HEAD_DIM)
             kk = q[:, :KV_HEADS].clone()
             apply_rope_cos_sin(q, kk, cos, sin)
             h = pa.paged_decode(q, p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], 0.1, 1200,
