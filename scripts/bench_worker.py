@@ -10,8 +10,9 @@ a fraction of the roofline (weight bytes read per token over that bandwidth). Pr
 
 With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
 the model layers switched to the fused kernels or back with it, so the weights are loaded once. ``--graphs``
-times the triton backend again with its decode steps replayed from CUDA graphs (``triton+graphs``); ``--pdl``
-once more with graphs captured with programmatic dependent launch (``triton+graphs+pdl``, STRIDE_PDL=1).
+times the triton backend again with its decode steps replayed from CUDA graphs captured without programmatic
+dependent launch (``triton+graphs``, as STRIDE_PDL=0); ``--pdl`` once more with graphs captured with it
+(``triton+graphs+pdl``, the worker's default).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main() -> int:
         quantize=args.quantize,
     )
     graphs, runner.graphs = runner.graphs, None
+    set_pdl(False)  # the runner allowed PDL (STRIDE_PDL's default); its graphs are captured on their first step
     print(
         f"model {args.model or 'default (SmolLM2-135M GGUF)'}: {runner.args.family}, "
         f"{runner.device}/{runner.dtype}, loaded in {time.perf_counter() - t:.1f} s, "

@@ -15,7 +15,7 @@ import torch
 from test_worker_triton import Steps, cpu_triton, gpu, make_checkpoint
 
 import kernels  # noqa: F401  (first: without CUDA it turns on Triton's interpreter before Triton loads)
-from stride.workers.cuda_graphs import DecodeGraphs, batch_buckets, context_bucket
+from stride.workers.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs, batch_buckets, context_bucket, pdl_for_batch
 from stride.workers.runner import ModelRunner
 
 pytest.importorskip("triton")
@@ -27,6 +27,30 @@ def test_batch_buckets() -> None:
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_buckets(256)[-3:] == [224, 240, 256]
+
+
+def test_pdl_only_for_small_batch_buckets() -> None:
+    """Graphs of up to PDL_MAX_BATCH rows are captured with PDL where it is allowed, larger ones plainly; where it
+    is not allowed, none; the setting before is restored either way (also after an error in the capture)."""
+    from kernels._util import set_pdl
+
+    def inside(batch: int) -> bool:
+        with pdl_for_batch(batch):
+            now = set_pdl(False)
+            set_pdl(now)
+            return now
+
+    was = set_pdl(True)
+    try:
+        assert [inside(b) for b in (1, 2, PDL_MAX_BATCH, PDL_MAX_BATCH + 1, 16, 64)] == [True] * 3 + [False] * 3
+        assert set_pdl(True) is True  # restored
+        with pytest.raises(RuntimeError), pdl_for_batch(16):
+            raise RuntimeError("capture failed")
+        assert set_pdl(False) is True
+        assert [inside(b) for b in (1, 16)] == [False, False]
+        assert set_pdl(False) is False
+    finally:
+        set_pdl(was)
 
 
 def test_context_bucket() -> None:

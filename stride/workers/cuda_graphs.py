@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +55,26 @@ log = logging.getLogger(__name__)
 
 MIN_CONTEXT = 256
 """Smallest context bucket, in tokens: shorter contexts cost the decode kernel nothing extra."""
+
+PDL_MAX_BATCH = 8
+"""Largest batch bucket captured with programmatic dependent launch, where PDL is allowed (``STRIDE_PDL``, on by
+default). Up to 8 rows every projection is the W4A16 GEMV, so a step is one chain of Triton kernels that each
+start while the one before finishes. H200 (docs/perf.md), batch-1 step, GPU time: SmolLM2-135M 0.88 -> 0.58 ms,
+Llama-3.1-8B 4-bit 2.34 -> 2.22 ms; at 16 and 64 rows (cuBLAS GEMMs between the kernels) 1% slower, and the
+SmolLM2 worker end to end 6-10% slower at 16, so larger buckets are captured plainly."""
+
+
+@contextmanager
+def pdl_for_batch(batch: int) -> Iterator[None]:
+    """Within: PDL launches allowed only if they were and ``batch <= PDL_MAX_BATCH``; restored after."""
+    from kernels._util import set_pdl  # the triton backend's (only its steps are captured)
+
+    allowed = set_pdl(False)
+    set_pdl(allowed and batch <= PDL_MAX_BATCH)
+    try:
+        yield
+    finally:
+        set_pdl(allowed)
 
 
 def context_bucket(max_context_len: int, block_size: int, table_width: int) -> int:
@@ -209,7 +231,7 @@ class DecodeGraphs:
         self._forward(g)
         torch.cuda.synchronize(self.device)
         g.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g.graph, pool=self.pool):
+        with pdl_for_batch(batch), torch.cuda.graph(g.graph, pool=self.pool):
             self._forward(g)
         g.copied = torch.cuda.Event()
         log.info("captured a decode graph in %.0f ms: batch %d, context up to %d tokens (%d graphs)",
