@@ -62,6 +62,11 @@ def set_pdl(enabled: bool) -> bool:
     return previous
 
 
+def pdl_allowed() -> bool:
+    """Whether PDL launches are allowed now (:func:`set_pdl`)."""
+    return _PDL_ON[0]
+
+
 def pdl_args(t: torch.Tensor) -> dict[str, object]:
     """Launch arguments for programmatic dependent launch (PDL). When allowed (:func:`set_pdl`), PDL is on while
     a CUDA graph is being captured on a Hopper-or-later GPU: within a replayed graph each kernel is launched while

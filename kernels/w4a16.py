@@ -533,12 +533,15 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
         counters = _arrival_counters(x.device, num_m * num_n)
     else:
         partials = counters = out
+    pdl = pdl_args(x)
+    # ONE_STEP is read only by the GEMV with PDL: elsewhere it stays False, so no second compile of the same code.
+    one_step = bool(pdl) and cfg.gemv and k_per_split <= cfg.block_k
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, GEMV=cfg.gemv, ONE_STEP=k_per_split <= cfg.block_k, **dot_args(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
+        SPLIT_K=split_k, GEMV=cfg.gemv, ONE_STEP=one_step, **dot_args(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return out
 

@@ -32,23 +32,22 @@ def test_batch_buckets() -> None:
 def test_pdl_only_for_small_batch_buckets() -> None:
     """Graphs of up to PDL_MAX_BATCH rows are captured with PDL where it is allowed, larger ones plainly; where it
     is not allowed, none; the setting before is restored either way (also after an error in the capture)."""
-    from kernels._util import set_pdl
+    from kernels._util import pdl_allowed, set_pdl
 
     def inside(batch: int) -> bool:
         with pdl_for_batch(batch):
-            now = set_pdl(False)
-            set_pdl(now)
-            return now
+            return pdl_allowed()
 
     was = set_pdl(True)
     try:
         assert [inside(b) for b in (1, 2, PDL_MAX_BATCH, PDL_MAX_BATCH + 1, 16, 64)] == [True] * 3 + [False] * 3
-        assert set_pdl(True) is True  # restored
+        assert pdl_allowed() is True  # restored
         with pytest.raises(RuntimeError), pdl_for_batch(16):
             raise RuntimeError("capture failed")
-        assert set_pdl(False) is True
+        assert pdl_allowed() is True
+        set_pdl(False)
         assert [inside(b) for b in (1, 16)] == [False, False]
-        assert set_pdl(False) is False
+        assert pdl_allowed() is False
     finally:
         set_pdl(was)
 
