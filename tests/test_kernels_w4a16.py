@@ -21,8 +21,10 @@ from kernels.w4a16 import (
     pack_codes,
     quantize,
     random_weight,
+    tiles_to_words,
     w4a16_matmul,
     w4a16_reference,
+    words_to_tiles,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,13 +174,20 @@ def test_gemv_subnormal_codes_over_activation_range(magnitude, dtype, block_m):
 
 
 def test_pack_codes_layout():
-    codes = torch.randint(0, 16, (3, 16))
+    codes = torch.randint(0, 16, (35, 16), generator=torch.Generator().manual_seed(1))
     packed = pack_codes(codes)
-    assert packed.shape == (2, 3) and packed.dtype == torch.int32
-    word = packed[1, 2].item() & 0xFFFFFFFF
-    assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[2, 8:16].tolist()
-    w = W4A16Weight(packed, torch.ones(1, 3, dtype=torch.float16), torch.zeros(1, 3, dtype=torch.float16), 16)
+    # Two tiles of 32 columns (the second holds columns 32-34 and zeros), each (K // 8, 32) words.
+    assert packed.shape == (2, 2, 32) and packed.dtype == torch.int32 and packed.is_contiguous()
+    word = packed[1, 1, 2].item() & 0xFFFFFFFF  # column 34, inputs 8-15
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[34, 8:16].tolist()
+    word = packed[0, 0, 5].item() & 0xFFFFFFFF  # column 5, inputs 0-7
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == codes[5, 0:8].tolist()
+    assert not packed[1, :, 3:].any()
+    w = W4A16Weight(packed, torch.ones(1, 35, dtype=torch.float16), torch.zeros(1, 35, dtype=torch.float16), 16)
     torch.testing.assert_close(dequantize(w), codes.float())
+    words = tiles_to_words(packed, 35)
+    assert words.shape == (2, 35) and torch.equal(words_to_tiles(words), packed)
+    assert (words[1, 34].item() & 0xFFFFFFFF) == (packed[1, 1, 2].item() & 0xFFFFFFFF)
 
 
 def _gguf_blocks_by_spec(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -289,7 +298,7 @@ def test_quantize_rounds_to_nearest(group, scale_dtype, monkeypatch):
     w = torch.randn((48, 4 * group), generator=gen) * 0.02
     w[5, 7] = 0.4  # an outlier widens its group's range only
     q = quantize(w.to(torch.bfloat16), group, scale_dtype)
-    assert (q.qweight.shape, q.scales.shape, q.group_size) == ((w.shape[1] // 8, 48), (4, 48), group)
+    assert (q.qweight.shape, q.scales.shape, q.group_size) == ((2, w.shape[1] // 8, 32), (4, 48), group)
     assert q.scales.dtype == q.mins.dtype == scale_dtype
     units = _scale_units(w.to(torch.bfloat16), q)
     # Half a step, plus the clamp at the top code after the scale and min were rounded to their dtype.

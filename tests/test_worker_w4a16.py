@@ -51,6 +51,27 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert use_w4a16("cpu", "torch")
 
 
+def test_sharded_loading_off_tile_boundaries() -> None:
+    # Packed words sit in tiles of 32 columns; column shards of 40 and 24 (each rank's half) start and end inside
+    # tiles, and a row split takes its slice of K from every tile.
+    k, sizes, tp = 64, [80, 48], 2
+    full = [quantize(torch.randn(size, k, generator=torch.Generator().manual_seed(size)), 32) for size in sizes]
+    for rank in range(tp):
+        column = W4A16Linear(k, [s // tp for s in sizes], "column", torch.float16, 32, rank, tp)
+        for shard, w in enumerate(full):
+            column.load_full(w, shard)
+        halves = zip(full, sizes, strict=True)
+        want = torch.cat([dequantize(w)[rank * s // tp : (rank + 1) * s // tp] for w, s in halves])
+        assert column.qweight.shape == (2, k // 8, 32)  # 64 columns: two whole tiles
+        assert torch.equal(_dequantised(column), want)
+        row = W4A16Linear(k // tp, [sizes[0]], "row", torch.float16, 32, rank, tp)
+        row.load_full(full[0])
+        assert torch.equal(_dequantised(row), dequantize(full[0])[:, rank * k // tp : (rank + 1) * k // tp])
+        # Negative control: the same words one column off inside the second tile (columns 32-63) fail the check.
+        column.qweight[1] = column.qweight[1].roll(1, dims=1)
+        assert torch.equal(_dequantised(column)[:32], want[:32]) and not torch.equal(_dequantised(column), want)
+
+
 def test_only_all_q4_projections_are_packed() -> None:
     # A merged projection is packed only when every tensor in it is Q4_0/Q4_1 (types may mix among those).
     types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
@@ -152,7 +173,7 @@ def test_w4a16_worker_equals_dequantised_worker(
     tri = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     assert (ref.w4a16, tri.w4a16) == (False, True)
     w4a16 = layers._kernel("w4a16")
-    fake = SimpleNamespace(W4A16Weight=w4a16.W4A16Weight, w4a16_matmul=w4a16.w4a16_matmul)
+    fake = SimpleNamespace(**vars(w4a16))  # the module, with a w4a16_matmul that can be counted
     monkeypatch.setitem(layers._KERNELS, "w4a16", fake)
     calls = count_calls(monkeypatch, fake, "w4a16_matmul")
     steps = Steps(40, 4, ref.args.vocab_size)

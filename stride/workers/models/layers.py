@@ -83,7 +83,7 @@ class RowParallelLinear(nn.Module):
 
 class W4A16Linear(nn.Module):
     """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16.W4A16Weight`, as buffers ``qweight``
-    (K // 8, N), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
+    (ceil(N / 32), K // 8, 32), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
 
     Stands in for a :class:`ColumnParallelLinear` (``split="column"``: a rank keeps its columns of N, shard by
     shard, as there) or a :class:`RowParallelLinear` (``split="row"``: its slice of K, whole groups only).
@@ -112,7 +112,8 @@ class W4A16Linear(nn.Module):
         if k % group_size or group_size % 8:
             raise ValueError(f"in_features {k} (this rank's) is not a whole number of {group_size}-groups")
         # NaN scales mark "not loaded" for the loader's check, as NaN weights do for the dense linears.
-        self.register_buffer("qweight", torch.zeros(k // 8, n, dtype=torch.int32))
+        tile = _kernel("w4a16").TILE_N
+        self.register_buffer("qweight", torch.zeros(-(-n // tile), k // 8, tile, dtype=torch.int32))
         self.register_buffer("scales", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
         self.register_buffer("mins", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
 
@@ -129,21 +130,27 @@ class W4A16Linear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return int(self.qweight.shape[0]) * 8
+        return int(self.qweight.shape[1]) * 8
 
     def load_full(self, full: W4A16Weight, shard: int = 0) -> None:
         """Copy this rank's part of the unsharded packed weight number ``shard`` into place."""
         if full.group_size != self.group_size:
             raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
-        parts = (full.qweight, full.scales, full.mins)
+        w4a16 = _kernel("w4a16")
+        n = sum(self.output_sizes)
         if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
             size = self.output_sizes[shard]
             offset = sum(self.output_sizes[:shard])
-            for dst, src in zip((self.qweight, self.scales, self.mins), parts, strict=True):
+            # The words as a (K // 8, N) matrix, then tiled again: shards need not start at a tile.
+            words = w4a16.tiles_to_words(self.qweight, n)
+            src_words = w4a16.tiles_to_words(full.qweight, full.out_features)
+            dsts = (words, self.scales, self.mins)
+            for dst, src in zip(dsts, (src_words, full.scales, full.mins), strict=True):
                 dst[:, offset : offset + size].copy_(src.narrow(1, self.tp_rank * size, size))
+            self.qweight.copy_(w4a16.words_to_tiles(words))
         else:
             k = self.in_features
-            self.qweight.copy_(full.qweight.narrow(0, self.tp_rank * k // 8, k // 8))
+            self.qweight.copy_(full.qweight.narrow(1, self.tp_rank * k // 8, k // 8))
             groups = k // self.group_size
             self.scales.copy_(full.scales.narrow(0, self.tp_rank * groups, groups))
             self.mins.copy_(full.mins.narrow(0, self.tp_rank * groups, groups))
