@@ -119,12 +119,18 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     extra programs). Two rows: two per program in 2,048-input steps, K split in two below 512 column tiles;
     but with 128 or fewer column tiles and K in one step (o) a program per row was faster. Three to eight
     rows: four per program in 1,024-input steps over 4 warps, K split in two below 512 column tiles up to 4
-    rows (at 8 rows there are programs enough without)."""
+    rows (at 8 rows there are programs enough without). Except, at any row count up to 8, where fewer than 128
+    column tiles and K of at most 4,096 (SmolLM2-135M's projections: 18-96 tiles) would leave most SMs idle:
+    there a program per row, as at one row, and its single step loads its weights before the PDL wait (H200,
+    the SmolLM2-shaped worker's decode step: 4 rows 1.04 -> 0.57 ms, 8 rows 1.10 -> 0.77)."""
     if m <= 8 or group_size < 16:  # a tile's dot needs 16 inputs per group
         block_n = 32
         col_tiles = triton.cdiv(n, block_n)
         # (m > 8 reaches here only with groups too small for the tiles: one row per program, as before.)
-        if m == 1 or (m == 2 and col_tiles <= 128 and k <= 4096) or m > 8:
+        # One row per program where the column tiles alone, fewer than 128, would leave most SMs idle (SmolLM2's
+        # projections), and at two rows also with 128 of them and K in one step (Llama-3.1-8B's o).
+        few_tiles = k <= 4096 and (col_tiles < 128 or (m == 2 and col_tiles == 128))
+        if m == 1 or few_tiles or m > 8:
             block_m = 1
             if col_tiles >= 512:
                 split_k, step, warps = 1, 1024, 4

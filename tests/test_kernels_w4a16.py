@@ -76,6 +76,19 @@ def test_gemv_rows_per_program(dtype, block_m, m, split_k):
     assert _rel_err(out[1], ref[0]) > 0.1 and _rel_err(out[0], ref[1]) > 0.1
 
 
+def test_gemv_rows_per_program_by_grid_size():
+    """Up to 8 rows, a weight of fewer than 128 column tiles (SmolLM2-135M's projections) takes a program per row in
+    one K step (under PDL its weights load before the wait); Llama-3.1-8B's keep four rows per program."""
+    for m in (1, 2, 3, 4, 8):
+        for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+            cfg = w4.default_config(m, n, k, 32)
+            assert cfg.gemv and cfg.block_m == 1 and cfg.block_k >= k and cfg.split_k == 1, (m, n, k, cfg)
+    for m in (3, 4, 8):  # the control: 128 or more column tiles
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            assert w4.default_config(m, n, k, 128).block_m == 4, (m, n, k)
+    assert w4.default_config(4, 576, 8192, 32).block_m == 4  # K past one 4,096-input step
+
+
 @pytest.mark.parametrize("m,block_m,split_k", [(20, 64, 1), (70, 64, 3), (70, 128, 2)])
 def test_tall_tiles(m, block_m, split_k):
     """Row blocks of 64 and 128 (batched decode from 17 rows): a partial last row block, ragged columns and a
