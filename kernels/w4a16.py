@@ -459,8 +459,8 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
 @triton.jit
 def _dequant_kernel(qw_ptr, sc_ptr, mn_ptr, out_ptr, KW, N, stride_qt, stride_sg, stride_ok,
                     GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[k, n] = code[k, n] * scale + min, rounded once to out's dtype: W transposed, (K, N), the layout of the
-    packed words (rows of one word's eight inputs are written one after another, each coalesced along N)."""
+    """out[k, n] = code[k, n] * scale + min, rounded once to out's dtype: W transposed, (K, N) (the rows of one
+    word's eight inputs are written one after another, each coalesced along N)."""
     offs_kw = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_kw[:, None] < KW) & (offs_n[None, :] < N)
