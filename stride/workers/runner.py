@@ -83,8 +83,9 @@ class ModelRunner:
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
             from kernels.w4a16 import reserve_scratch
 
-            largest = max((m.qweight.numel() * 8 for m in self.model.modules() if isinstance(m, W4A16Linear)),
-                          default=0)
+            # K x N of each weight (its packed words pad N to whole tiles of 32 columns; the expansion does not).
+            largest = max((m.in_features * sum(m.output_sizes) for m in self.model.modules()
+                           if isinstance(m, W4A16Linear)), default=0)
             if largest:
                 reserve_scratch(self.device, self.dtype, largest)
         graphs = self._graphs_wanted(cuda_graphs)
