@@ -196,10 +196,12 @@ def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     tiles = tiles if shape.group_size >= 16 else []
     # GEMV steps up to 4,096 inputs, keeping each thread's share of a step's words at 16 or fewer per word tile,
     # and at 32 or fewer over the rows of a program (each row keeps two float32 accumulators per word). Several
-    # rows per program with 32 columns only (the H200 sweep's choice at every shape).
-    gemv = [wq.W4A16Config(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True)
+    # rows per program with 32 columns only (the H200 sweep's choice at every shape). One row both orders of a
+    # step's loads (scales_first).
+    gemv = [wq.W4A16Config(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True,
+                           scales_first=first)
             for bm in (1, 2, 4) for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4)
-            for w in (4, 8)
+            for w in (4, 8) for first in ((False, True) if bm == 1 else (False,))
             if shape.k // (sk * bk) >= 1 and bk % shape.group_size == 0 and (bm == 1 or (bn == 32 and bm < 2 * shape.m))
             and bk // piece * bn <= 16 * 32 * w
             and bm * (bk // piece) * bn <= 32 * 32 * w] if shape.m <= 8 else []

@@ -85,6 +85,9 @@ class W4A16Config:
     block_k: inputs per step, whole groups (the tiles take one dot per group, so a step unrolls groups).
     split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
     partials (an arrival counter per tile), so a call is always a single launch.
+    scales_first (one-row GEMV): a step loads its groups' scales and mins before its words, not after. Only the
+    order of the loads changes, and with it where ptxas places them: on an H200 scales first was 6% faster for
+    Llama-3.1-8B's down (K split 4 ways) and 7% slower for gate_up (docs/perf.md).
     """
 
     block_m: int = 16
@@ -94,6 +97,7 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False
+    scales_first: bool = False
 
 
 DEQUANT_MIN_ROWS = 17
@@ -113,16 +117,17 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above, in row blocks of 16, 64 or 128. From
     H200 sweeps at Llama-3.1-8B shapes (docs/perf.md).
 
-    One row: with 512 or more column tiles (gate_up) the K loop steps 1,024 inputs at a time over 4 warps;
+    One row: with 512 or more column tiles (gate_up) the K loop steps 2,048 inputs at a time over 8 warps;
     with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,
     K split into pieces of at most 4,096 (fewer dependent round trips per program pays more than split-K's
-    extra programs). Two rows: two per program in 2,048-input steps, K split in two below 512 column tiles;
-    but with 128 or fewer column tiles and K in one step (o) a program per row was faster. Three to eight
-    rows: four per program in 1,024-input steps over 4 warps, K split in two below 512 column tiles up to 4
-    rows (at 8 rows there are programs enough without). Except, at any row count up to 8, where fewer than 128
-    column tiles and K of at most 4,096 (SmolLM2-135M's projections: 18-96 tiles) would leave most SMs idle:
-    there a program per row, as at one row, and its single step loads its weights before the PDL wait (H200,
-    the SmolLM2-shaped worker's decode step: 4 rows 1.04 -> 0.57 ms, 8 rows 1.10 -> 0.77)."""
+    extra programs), a split K loading each step's scales first (:class:`W4A16Config`). Two rows: two per
+    program in 2,048-input steps, K split in two below 512 column tiles; but with 128 or fewer column tiles and
+    K in one step (o) a program per row was faster. Three to eight rows: four per program in 1,024-input steps
+    over 4 warps, K split in two below 512 column tiles up to 4 rows (at 8 rows there are programs enough
+    without). Except, at any row count up to 8, where fewer than 128 column tiles and K of at most 4,096
+    (SmolLM2-135M's projections: 18-96 tiles) would leave most SMs idle: there a program per row, as at one
+    row, and its single step loads its weights before the PDL wait (H200, the SmolLM2-shaped worker's decode
+    step: 4 rows 1.04 -> 0.57 ms, 8 rows 1.10 -> 0.77)."""
     if m <= 8 or group_size < 16:  # a tile's dot needs 16 inputs per group
         block_n = 32
         col_tiles = triton.cdiv(n, block_n)
@@ -133,7 +138,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
         if m == 1 or few_tiles or m > 8:
             block_m = 1
             if col_tiles >= 512:
-                split_k, step, warps = 1, 1024, 4
+                split_k, step, warps = 1, 2048, 8
             else:
                 split_k = triton.cdiv(k, 4096)
                 step, warps = 4096 if split_k == 1 else 2048, 8
@@ -145,7 +150,7 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
             split_k = 1 if col_tiles >= 512 or m > 4 else 2
         groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
         return W4A16Config(block_m=block_m, block_n=block_n, block_k=groups * group_size, split_k=split_k,
-                           num_warps=warps, num_stages=3, gemv=True)
+                           num_warps=warps, num_stages=3, gemv=True, scales_first=block_m == 1 and split_k > 1)
     # Tiles. The codes are expanded once per row block, so a taller block spreads that work over more rows. Up to 16
     # rows, one 16 x 128 block, K split up to 8 ways while there are at most 1,024 programs and each split keeps 512
     # inputs (H200 sweep at M=16). From 17 rows, blocks of 64, then 128 rows (H200 sweeps at M = 32, 64, 128: a
@@ -202,43 +207,56 @@ def _group_sums(x_row, gs_in, g_ok, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _step_loads(qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask, stride_qt, stride_sg,
+                GROUP: tl.constexpr, R: tl.constexpr, SCALES_FIRST: tl.constexpr):
+    """The weights of one K step of the GEMV (see :func:`_gemv_step`): its GROUP // 8 (at most 4) word tiles, each
+    (G, BLOCK_N), then the scales and mins of its groups as float32 (``SCALES_FIRST``: those before the words)."""
+    gs = k0 // GROUP + offs_g
+    mask_g = (gs < k_hi // GROUP)[:, None] & n_mask[None, :]
+    sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]  # R rows of the tile read one scale row (from L1)
+    W: tl.constexpr = GROUP // 8  # words per group
+    if SCALES_FIRST:
+        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+    p0 = _word_tile(qw_ptr, gs, 0, W, stride_qt, offs_n, mask_g)
+    p1, p2, p3 = p0, p0, p0
+    if W > 1:
+        p1 = _word_tile(qw_ptr, gs, 1, W, stride_qt, offs_n, mask_g)
+    if W > 2:
+        p2 = _word_tile(qw_ptr, gs, 2, W, stride_qt, offs_n, mask_g)
+    if W > 3:
+        p3 = _word_tile(qw_ptr, gs, 3, W, stride_qt, offs_n, mask_g)
+    if not SCALES_FIRST:
+        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+    return p0, p1, p2, p3, sc, mn
+
+
+@triton.jit
 def _gemv_step(
     x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
-    stride_qt, stride_sg, acc0, acc1, acc2, acc3,
-    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, STAGE: tl.constexpr, WAIT: tl.constexpr,
-    R: tl.constexpr,
+    stride_qt, stride_sg, acc0, acc1, acc2, acc3, p0, p1, p2, p3, sc, mn,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, LOADED: tl.constexpr, R: tl.constexpr,
 ):
     """One K step of the GEMV (see the kernel): G groups from input k0, added into the rows' accumulators.
-    ``GROUP`` here is the kernel's unit of work (at most 32 inputs); ``R`` of them share one scale and min.
-    ``STAGE`` (PDL launches): load the step's words (up to four per group) before any activation, as ``WAIT``,
-    the first step, must: it waits for the kernel before once its weights are loaded (with more than four words
-    per group, before the words). Without PDL each word tile is loaded just before its use."""
+    ``GROUP`` here is the kernel's unit of work (at most 32 inputs, so at most four words); ``R`` of them share one
+    scale and min. ``LOADED``: the step's weights are p0..p3, sc and mn (:func:`_step_loads`, issued ahead by the
+    caller); else they are loaded here, each word tile just before its use (p0..p3, sc, mn unused)."""
     gs = k0 // GROUP + offs_g
     g_ok = gs < k_hi // GROUP
     gs_in = tl.minimum(gs, k_hi // GROUP - 1)  # in-bounds rows for unmasked x loads; their codes are 0
     mask_g = g_ok[:, None] & n_mask[None, :]
-    sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]  # R rows of the tile read one scale row (from L1)
-    sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
-    mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
     W: tl.constexpr = GROUP // 8  # words per group
-    STAGED: tl.constexpr = STAGE and W <= 4
-    if STAGED:
-        p0 = _word_tile(qw_ptr, gs, 0, W, stride_qt, offs_n, mask_g)
-        p1, p2, p3 = p0, p0, p0
-        if W > 1:
-            p1 = _word_tile(qw_ptr, gs, 1, W, stride_qt, offs_n, mask_g)
-        if W > 2:
-            p2 = _word_tile(qw_ptr, gs, 2, W, stride_qt, offs_n, mask_g)
-        if W > 3:
-            p3 = _word_tile(qw_ptr, gs, 3, W, stride_qt, offs_n, mask_g)
-    if WAIT:
-        pdl_wait(WAIT, False)  # activations only after this (the kernel after is released after the K loop)
+    if not LOADED:
+        sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]
+        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
     dot0 = tl.zeros_like(sc)
     dot1 = tl.zeros_like(sc)
     dot2 = tl.zeros_like(sc)
     dot3 = tl.zeros_like(sc)
     for q in tl.static_range(W):
-        if not STAGED:
+        if not LOADED:
             packed = _word_tile(qw_ptr, gs, q, W, stride_qt, offs_n, mask_g)
         elif q == 0:
             packed = p0
@@ -294,7 +312,7 @@ def _w4a16_kernel(
     stride_xm, stride_qt, stride_sg, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ONE_STEP: tl.constexpr = False, PDL: tl.constexpr = False,
+    ONE_STEP: tl.constexpr = False, SCALES_FIRST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     if GEMV:
         pid_m = tl.program_id(0)  # rows fastest: the rows of one weight tile are launched together
@@ -343,26 +361,39 @@ def _w4a16_kernel(
         acc1 = tl.zeros([G, BLOCK_N], tl.float32)
         acc2 = tl.zeros([G, BLOCK_N], tl.float32)
         acc3 = tl.zeros([G, BLOCK_N], tl.float32)
-        # With PDL, one row and one K step per program (``ONE_STEP``: o and qkv at 8B shapes) that step runs
-        # alone: its weights are loaded before the wait (no kernel of a forward writes weights), so they are in
-        # flight while the kernel before finishes. Programs of several steps wait first (staged, down's were 2 us
-        # slower in the worker, docs/perf.md); several rows too: their staged steps, unrolled over every row,
-        # took minutes to compile (4 rows, 1,024-input steps: 198 s against 5 s; 2 rows: 30 s against 3). Every
-        # path lets the kernel after launch only once its K loop is done (``pdl_release``). Without PDL, one
-        # loop (the code is then the same as before PDL existed).
-        EARLY: tl.constexpr = PDL and BLOCK_M == 1 and ONE_STEP
-        k_first = k_lo
-        if EARLY:
+        # One row per program: each K step's weights are loaded as a whole (:func:`_step_loads`: words, and scales
+        # and mins after them or, ``SCALES_FIRST``, before) ahead of its arithmetic. ptxas keeps that order of the
+        # loads while it places them among the FMAs; loading each word tile just before its use (as several rows
+        # still do) was slower on an H200 at every Llama-3.1-8B shape (docs/perf.md). A program of one K step
+        # (``ONE_STEP``: o and qkv at 8B shapes, SmolLM2's projections) is one block: under PDL its weights are
+        # loaded before the wait (no kernel of a forward writes weights), so they are in flight while the kernel
+        # before finishes. Programs of several steps wait first (with their first step loaded before the wait, down
+        # was 2 us slower in the worker); several rows too: staged steps, unrolled over every row, took minutes to
+        # compile (4 rows, 1,024-input steps: 198 s against 5 s; 2 rows: 30 s against 3). Every path lets the
+        # kernel after launch only once its K loop is done (``pdl_release``).
+        if BLOCK_M == 1 and ONE_STEP:
+            p0, p1, p2, p3, sc, mn = _step_loads(qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
+                                                 stride_qt, stride_sg, PIECE, R, SCALES_FIRST)
+            pdl_wait(PDL, False)
             acc0, acc1, acc2, acc3 = _gemv_step(
                 x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k_lo, k_hi, offs_g, offs_n, n_mask,
-                stride_qt, stride_sg, acc0, acc1, acc2, acc3, PIECE, G, BLOCK_M, True, True, R)
-            k_first = k_lo + BLOCK_K
+                stride_qt, stride_sg, acc0, acc1, acc2, acc3, p0, p1, p2, p3, sc, mn, PIECE, G, BLOCK_M, True, R)
+        elif BLOCK_M == 1:
+            pdl_wait(PDL, False)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                p0, p1, p2, p3, sc, mn = _step_loads(qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
+                                                     stride_qt, stride_sg, PIECE, R, SCALES_FIRST)
+                acc0, acc1, acc2, acc3 = _gemv_step(
+                    x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
+                    stride_qt, stride_sg, acc0, acc1, acc2, acc3, p0, p1, p2, p3, sc, mn, PIECE, G, BLOCK_M, True,
+                    R)
         else:
             pdl_wait(PDL, False)
-        for k0 in range(k_first, k_hi, BLOCK_K):
-            acc0, acc1, acc2, acc3 = _gemv_step(
-                x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
-                stride_qt, stride_sg, acc0, acc1, acc2, acc3, PIECE, G, BLOCK_M, EARLY, False, R)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                acc0, acc1, acc2, acc3 = _gemv_step(
+                    x_row0, x_row1, x_row2, x_row3, qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask,
+                    stride_qt, stride_sg, acc0, acc1, acc2, acc3, acc0, acc0, acc0, acc0, acc0, acc0, PIECE, G,
+                    BLOCK_M, False, R)
         rows = tl.arange(0, BLOCK_M)[:, None]
         acc = tl.where(rows == 0, tl.sum(acc0, axis=0)[None, :], 0.0)
         if BLOCK_M > 1:
@@ -575,13 +606,16 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     else:
         partials = counters = out
     pdl = pdl_args(x)
-    # ONE_STEP is read only by the GEMV with PDL: elsewhere it stays False, so no second compile of the same code.
-    one_step = bool(pdl) and cfg.gemv and k_per_split <= cfg.block_k
+    # ONE_STEP and SCALES_FIRST are read only by one-row GEMV programs: elsewhere they stay False, so no second
+    # compile of the same code.
+    one_row = cfg.gemv and cfg.block_m == 1
+    one_step = one_row and k_per_split <= cfg.block_k
     _w4a16_kernel[grid](
         x, w.qweight, w.scales, w.mins, out, partials, counters, m, n, k, k_per_split,
         x.stride(0), w.qweight.stride(0), w.scales.stride(0), out.stride(0),
         GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k, GEMV=cfg.gemv, ONE_STEP=one_step, **dot_args(x.dtype),
+        SPLIT_K=split_k, GEMV=cfg.gemv, ONE_STEP=one_step, SCALES_FIRST=one_row and cfg.scales_first,
+        **dot_args(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return out

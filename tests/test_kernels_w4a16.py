@@ -54,6 +54,23 @@ def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
     assert _rel_err(out, w4a16_reference(x, unscaled)) > 0.1
 
 
+@pytest.mark.parametrize("block_k,split_k", [(512, 1), (128, 1), (128, 2), (256, 2)])
+def test_one_row_gemv_paths(block_k, split_k):
+    """One row per program loads each K step's weights ahead of its arithmetic: in one step (the whole K range of a
+    program, block_k >= K), in a loop of steps, K split with a ragged last split; scales and mins before or after
+    the words. Every path against the reference; the order of the loads changes no bit; group 128 (four 32-input
+    pieces per scale) and a ragged last column tile. Negative control: mins read as scales."""
+    n, k = 40, 384
+    w = random_weight(n, k, group_size=128, device=DEVICE, seed=block_k + split_k)
+    x = torch.randn((1, k), generator=torch.Generator().manual_seed(split_k)).to(torch.bfloat16).to(DEVICE)
+    cfg = W4A16Config(block_m=1, block_n=32, block_k=block_k, split_k=split_k, gemv=True)
+    out = w4a16_matmul(x, w, cfg)
+    assert _rel_err(out, w4a16_reference(x, w)) <= 1e-2
+    assert torch.equal(w4a16_matmul(x, w, dataclasses.replace(cfg, scales_first=True)), out)
+    swapped = W4A16Weight(w.qweight, w.mins, w.scales, w.group_size)
+    assert _rel_err(w4a16_matmul(x, swapped, dataclasses.replace(cfg, scales_first=True)), out) > 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_m", [2, 4])
 @pytest.mark.parametrize("m,split_k", [(3, 1), (5, 3)])
