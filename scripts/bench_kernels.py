@@ -227,7 +227,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
                   f"{w4_pdl * 1e3:>7.1f} {bf_g / w4_pdl:>5.2f}x {bf * 1e3:>7.1f} "
                   f"{w4 * 1e3:>7.1f} {bf / w4:>5.2f}x {row['w4_tb_s']:>7.2f}  {'gemv' if cfg.gemv else 'tile'} "
                   f"bm{cfg.block_m} bn{cfg.block_n} bk{cfg.block_k} sk{cfg.split_k} w{cfg.num_warps} "
-                  f"st{cfg.num_stages}")
+                  f"st{cfg.num_stages}{' scales-first' if cfg.scales_first else ''}")
     for m in sorted(batches):
         per_m = [r for r in rows if r["m"] == m]
         total = sum(r["bf16_graph_ms"] for r in per_m) / sum(r["w4_graph_ms"] for r in per_m)
