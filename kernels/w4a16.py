@@ -207,17 +207,25 @@ def _group_sums(x_row, gs_in, g_ok, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _scale_tiles(sc_ptr, mn_ptr, gs, offs_n, mask_g, stride_sg, R: tl.constexpr):
+    """The scales and mins of groups ``gs`` (units of work, R to a scaling group) for the step's columns, as
+    float32 (G, BLOCK_N) tiles."""
+    sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]  # R rows of the tile read one scale row (from L1)
+    sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
 def _step_loads(qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask, stride_qt, stride_sg,
                 GROUP: tl.constexpr, R: tl.constexpr, SCALES_FIRST: tl.constexpr):
     """The weights of one K step of the GEMV (see :func:`_gemv_step`): its GROUP // 8 (at most 4) word tiles, each
     (G, BLOCK_N), then the scales and mins of its groups as float32 (``SCALES_FIRST``: those before the words)."""
     gs = k0 // GROUP + offs_g
     mask_g = (gs < k_hi // GROUP)[:, None] & n_mask[None, :]
-    sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]  # R rows of the tile read one scale row (from L1)
     W: tl.constexpr = GROUP // 8  # words per group
     if SCALES_FIRST:
-        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        sc, mn = _scale_tiles(sc_ptr, mn_ptr, gs, offs_n, mask_g, stride_sg, R)
     p0 = _word_tile(qw_ptr, gs, 0, W, stride_qt, offs_n, mask_g)
     p1, p2, p3 = p0, p0, p0
     if W > 1:
@@ -227,8 +235,7 @@ def _step_loads(qw_ptr, sc_ptr, mn_ptr, k0, k_hi, offs_g, offs_n, n_mask, stride
     if W > 3:
         p3 = _word_tile(qw_ptr, gs, 3, W, stride_qt, offs_n, mask_g)
     if not SCALES_FIRST:
-        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        sc, mn = _scale_tiles(sc_ptr, mn_ptr, gs, offs_n, mask_g, stride_sg, R)
     return p0, p1, p2, p3, sc, mn
 
 
@@ -248,9 +255,7 @@ def _gemv_step(
     mask_g = g_ok[:, None] & n_mask[None, :]
     W: tl.constexpr = GROUP // 8  # words per group
     if not LOADED:
-        sg = (gs // R)[:, None] * stride_sg + offs_n[None, :]
-        sc = tl.load(sc_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + sg, mask=mask_g, other=0.0).to(tl.float32)
+        sc, mn = _scale_tiles(sc_ptr, mn_ptr, gs, offs_n, mask_g, stride_sg, R)
     dot0 = tl.zeros_like(sc)
     dot1 = tl.zeros_like(sc)
     dot2 = tl.zeros_like(sc)
