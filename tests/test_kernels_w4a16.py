@@ -71,6 +71,30 @@ def test_one_row_gemv_paths(block_k, split_k):
     assert _rel_err(w4a16_matmul(x, swapped, dataclasses.replace(cfg, scales_first=True)), out) > 0.1
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+def test_split_k_leaves_counters_zeroed(gemv):
+    """Split K sums its partials through per-tile arrival counters, which the last split of each tile resets (a
+    plain store): after calls of several sizes (the 4-bit kernel, ``dequant=False``) every counter is zero again
+    and repeated calls give the same bits. Negative control: a counter left over from a missed reset is one that
+    no split sees as last, so that tile is not summed and its counter stays nonzero, which the check would catch."""
+    w = random_weight(80, 384, device=DEVICE, seed=7)
+    x = torch.randn((3, 384), generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(DEVICE)
+    cfg = W4A16Config(block_m=1 if gemv else 16, block_n=32, block_k=64, split_k=3, gemv=gemv)  # 3 x 128 inputs
+    first = w4a16_matmul(x, w, cfg, dequant=False)
+    assert _rel_err(first, w4a16_reference(x, w)) <= 1e-2
+    for rows in (3, 1, 2, 3):
+        assert torch.equal(w4a16_matmul(x[:rows], w, cfg, dequant=False), first[:rows])
+    counters = w4._COUNTERS[x.device]
+    assert not counters.any()
+    counters[1] = 3  # tile 1: columns 32-63 of the first row block
+    try:
+        w4a16_matmul(x, w, cfg, dequant=False)
+        assert counters[1].item() == 6 and not counters[:1].any() and not counters[2:].any()
+    finally:
+        counters.zero_()
+    assert torch.equal(w4a16_matmul(x, w, cfg, dequant=False), first)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_m", [2, 4])
 @pytest.mark.parametrize("m,split_k", [(3, 1), (5, 3)])
