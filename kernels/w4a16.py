@@ -121,7 +121,8 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,
     K split into pieces of at most 4,096 (fewer dependent round trips per program pays more than split-K's
     extra programs), a split K loading each step's scales first (:class:`W4A16Config`). Two rows: two per
-    program in 2,048-input steps, K split in two below 512 column tiles; but with 128 or fewer column tiles and
+    program in 2,048-input steps over 4 warps, K split below 512 column tiles in two, or in four where K is over
+    8,192 (down: 18.1 against 19.2 us split in two over 8 warps); but with 128 or fewer column tiles and
     K in one step (o) a program per row was faster. Three to eight rows: four per program in 1,024-input steps
     over 4 warps, K split in two below 512 column tiles up to 4 rows (at 8 rows there are programs enough
     without). Except, at any row count up to 8, where fewer than 128 column tiles and K of at most 4,096
@@ -143,8 +144,8 @@ def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
                 split_k = triton.cdiv(k, 4096)
                 step, warps = 4096 if split_k == 1 else 2048, 8
         elif m == 2:
-            block_m, step, warps = 2, 2048, 8 if k > 8192 else 4
-            split_k = 1 if col_tiles >= 512 else 2
+            block_m, step, warps = 2, 2048, 4
+            split_k = 1 if col_tiles >= 512 else (4 if k > 8192 else 2)
         else:
             block_m, step, warps = 4, 1024, 4
             split_k = 1 if col_tiles >= 512 or m > 4 else 2

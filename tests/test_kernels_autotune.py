@@ -159,7 +159,8 @@ def test_spaces_are_non_empty_and_costs_rank_workspace():
         assert {c.block_m for c in space if not c.gemv} == blocks
         assert wq.default_config(m, 4096, 4096) in space
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # Llama-3.1-8B's projections, decode
-        shape = GemmShape(1, n, k, group_size=128)
-        assert wq.default_config(1, n, k, 128) in W4A16.space(shape), (n, k)
+        for m in (1, 2, 4, 8):
+            shape = GemmShape(m, n, k, group_size=128)
+            assert wq.default_config(m, n, k, 128) in W4A16.space(shape), (m, n, k)
     assert RMSNORM.cost(rn.RMSNormConfig(1, 4), NormShape(8, 4096)) > RMSNORM.cost(rn.RMSNormConfig(1, 16),
                                                                                     NormShape(8, 4096))
