@@ -72,6 +72,32 @@ def test_sharded_loading_off_tile_boundaries() -> None:
         assert torch.equal(_dequantised(column)[:32], want[:32]) and not torch.equal(_dequantised(column), want)
 
 
+def test_sharded_loading_of_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shards of whole 32-column tiles (every real model's) are copied tile by tile, never through the (K // 8, N)
+    # matrix of words (tiles_to_words raises while they load), and give the same weights as the unsharded ones.
+    from kernels import w4a16
+
+    k, sizes, tp = 64, [128, 64], 2
+    full = [quantize(torch.randn(size, k, generator=torch.Generator().manual_seed(size)), 32) for size in sizes]
+
+    def untiled(*_: object) -> torch.Tensor:
+        raise AssertionError("whole tiles went through the word matrix")
+
+    for rank in range(tp):
+        column = W4A16Linear(k, [s // tp for s in sizes], "column", torch.float16, 32, rank, tp)
+        with monkeypatch.context() as patched:
+            patched.setattr(w4a16, "tiles_to_words", untiled)
+            for shard, w in enumerate(full):
+                column.load_full(w, shard)
+        halves = zip(full, sizes, strict=True)
+        want = torch.cat([dequantize(w)[rank * s // tp : (rank + 1) * s // tp] for w, s in halves])
+        assert torch.equal(_dequantised(column), want)
+        # Negative control: rank 1's first tile taken from rank 0's half fails the check.
+        if rank == 1:
+            column.qweight[0] = full[0].qweight[0]
+            assert not torch.equal(_dequantised(column), want)
+
+
 def test_only_all_q4_projections_are_packed() -> None:
     # A merged projection is packed only when every tensor in it is Q4_0/Q4_1 (types may mix among those).
     types = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",

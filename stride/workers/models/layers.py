@@ -141,12 +141,18 @@ class W4A16Linear(nn.Module):
         if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
             size = self.output_sizes[shard]
             offset = sum(self.output_sizes[:shard])
-            # The words as a (K // 8, N) matrix, then tiled again: shards need not start at a tile.
+            start = self.tp_rank * size
+            for dst, src in ((self.scales, full.scales), (self.mins, full.mins)):
+                dst[:, offset : offset + size].copy_(src.narrow(1, start, size))
+            tile = w4a16.TILE_N
+            if offset % tile == 0 and start % tile == 0 and size % tile == 0:  # whole tiles (the usual case)
+                first, count = start // tile, size // tile
+                self.qweight[offset // tile : offset // tile + count].copy_(full.qweight[first : first + count])
+                return
+            # Shards inside tiles: the words as a (K // 8, N) matrix, then tiled again.
             words = w4a16.tiles_to_words(self.qweight, n)
             src_words = w4a16.tiles_to_words(full.qweight, full.out_features)
-            dsts = (words, self.scales, self.mins)
-            for dst, src in zip(dsts, (src_words, full.scales, full.mins), strict=True):
-                dst[:, offset : offset + size].copy_(src.narrow(1, self.tp_rank * size, size))
+            words[:, offset : offset + size].copy_(src_words.narrow(1, start, size))
             self.qweight.copy_(w4a16.words_to_tiles(words))
         else:
             k = self.in_features
