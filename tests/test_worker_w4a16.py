@@ -51,17 +51,28 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert use_w4a16("cpu", "torch")
 
 
+def _merged_shards(k: int, sizes: list[int]) -> list[W4A16Weight]:
+    """One quantised weight per shard of a merged column projection (as qkv's q, k, v), K inputs each."""
+    return [quantize(torch.randn(size, k, generator=torch.Generator().manual_seed(size)), 32) for size in sizes]
+
+
+def _column_rank(k: int, full: list[W4A16Weight], tp: int, rank: int) -> tuple[W4A16Linear, torch.Tensor]:
+    """Rank ``rank``'s column-parallel W4A16Linear (not loaded yet) and the dense weight its shards should give."""
+    sizes = [w.out_features for w in full]
+    column = W4A16Linear(k, [s // tp for s in sizes], "column", torch.float16, 32, rank, tp)
+    want = torch.cat([dequantize(w)[rank * s // tp : (rank + 1) * s // tp] for w, s in zip(full, sizes, strict=True)])
+    return column, want
+
+
 def test_sharded_loading_off_tile_boundaries() -> None:
     # Packed words sit in tiles of 32 columns; column shards of 40 and 24 (each rank's half) start and end inside
     # tiles, and a row split takes its slice of K from every tile.
     k, sizes, tp = 64, [80, 48], 2
-    full = [quantize(torch.randn(size, k, generator=torch.Generator().manual_seed(size)), 32) for size in sizes]
+    full = _merged_shards(k, sizes)
     for rank in range(tp):
-        column = W4A16Linear(k, [s // tp for s in sizes], "column", torch.float16, 32, rank, tp)
+        column, want = _column_rank(k, full, tp, rank)
         for shard, w in enumerate(full):
             column.load_full(w, shard)
-        halves = zip(full, sizes, strict=True)
-        want = torch.cat([dequantize(w)[rank * s // tp : (rank + 1) * s // tp] for w, s in halves])
         assert column.qweight.shape == (2, k // 8, 32)  # 64 columns: two whole tiles
         assert torch.equal(_dequantised(column), want)
         row = W4A16Linear(k // tp, [sizes[0]], "row", torch.float16, 32, rank, tp)
@@ -77,20 +88,18 @@ def test_sharded_loading_of_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None
     # matrix of words (tiles_to_words raises while they load), and give the same weights as the unsharded ones.
     from kernels import w4a16
 
-    k, sizes, tp = 64, [128, 64], 2
-    full = [quantize(torch.randn(size, k, generator=torch.Generator().manual_seed(size)), 32) for size in sizes]
+    k, tp = 64, 2
+    full = _merged_shards(k, [128, 64])
 
     def untiled(*_: object) -> torch.Tensor:
         raise AssertionError("whole tiles went through the word matrix")
 
     for rank in range(tp):
-        column = W4A16Linear(k, [s // tp for s in sizes], "column", torch.float16, 32, rank, tp)
+        column, want = _column_rank(k, full, tp, rank)
         with monkeypatch.context() as patched:
             patched.setattr(w4a16, "tiles_to_words", untiled)
             for shard, w in enumerate(full):
                 column.load_full(w, shard)
-        halves = zip(full, sizes, strict=True)
-        want = torch.cat([dequantize(w)[rank * s // tp : (rank + 1) * s // tp] for w, s in halves])
         assert torch.equal(_dequantised(column), want)
         # Negative control: rank 1's first tile taken from rank 0's half fails the check.
         if rank == 1:

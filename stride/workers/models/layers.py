@@ -137,7 +137,6 @@ class W4A16Linear(nn.Module):
         if full.group_size != self.group_size:
             raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
         w4a16 = _kernel("w4a16")
-        n = sum(self.output_sizes)
         if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
             size = self.output_sizes[shard]
             offset = sum(self.output_sizes[:shard])
@@ -150,7 +149,7 @@ class W4A16Linear(nn.Module):
                 self.qweight[offset // tile : offset // tile + count].copy_(full.qweight[first : first + count])
                 return
             # Shards inside tiles: the words as a (K // 8, N) matrix, then tiled again.
-            words = w4a16.tiles_to_words(self.qweight, n)
+            words = w4a16.tiles_to_words(self.qweight, sum(self.output_sizes))
             src_words = w4a16.tiles_to_words(full.qweight, full.out_features)
             words[:, offset : offset + size].copy_(src_words.narrow(1, start, size))
             self.qweight.copy_(w4a16.words_to_tiles(words))
