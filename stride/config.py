@@ -264,13 +264,45 @@ class ServerConfig:
     """Name served under ``/v1/models``; empty derives it from the model path."""
     retry_after_s: int = 1
     """``Retry-After`` seconds sent with 429/503 refusals."""
+    max_body_bytes: int = 8 << 20
+    """Largest HTTP request body and client-library frame; a larger one is refused (413 / an error reply)
+    before it is decoded."""
+    max_prompt_chars: int = 0
+    """Most characters of a prompt (a chat's message contents together), refused before tokenizing; 0:
+    :data:`PROMPT_CHARS_PER_TOKEN` per token of the context, which no prompt that fits the context exceeds."""
 
     def __post_init__(self) -> None:
-        _positive(self, "tokenizer_workers", "retry_after_s")
+        _positive(self, "tokenizer_workers", "retry_after_s", "max_body_bytes")
+        if self.max_prompt_chars < 0:
+            raise ValueError("max_prompt_chars must be >= 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.api_keys_file and not Path(self.api_keys_file).is_file():
             raise ValueError(f"api keys file not found: {self.api_keys_file}")
+
+    def prompt_char_limit(self, max_model_len: int) -> int:
+        """:attr:`max_prompt_chars`, or its default for a context of ``max_model_len`` tokens."""
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+
+PROMPT_CHARS_PER_TOKEN = 16
+"""Bounds the prompt's characters per token of context by default: English averages about 4 characters per token and
+code about 3; a prompt past 16 per token of the whole context is not one that fits it."""
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """What a launch learns from the processes it starts first (the tokenizer pool, rank 0), handed to the ones it
+    starts after them (scheduler, frontend). Empty until then."""
+
+    vocab_size: int = 0
+    """Rows of the model's embedding and output head: token ids from a client must be below it (0: not known)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The tokenizer's end-of-sequence ids."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 0:
+            raise ValueError("vocab_size must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -282,6 +314,7 @@ class StrideConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
     server: ServerConfig = ServerConfig()
+    facts: LaunchFacts = LaunchFacts()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -290,10 +323,12 @@ class StrideConfig:
     def from_dict(data: dict[str, Any]) -> StrideConfig:
         sched = dict(data["scheduler"])
         sched["service_classes"] = tuple(ServiceClass(**c) for c in sched["service_classes"])
+        facts = data.get("facts") or dataclasses.asdict(LaunchFacts())
         return StrideConfig(
             ipc=IpcConfig(**data["ipc"]),
             cache=CacheConfig(**data["cache"]),
             scheduler=SchedulerConfig(**sched),
             worker=WorkerConfig(**data["worker"]),
             server=ServerConfig(**data["server"]),
+            facts=LaunchFacts(vocab_size=facts["vocab_size"], eos_token_ids=tuple(facts["eos_token_ids"])),
         )

@@ -5,8 +5,14 @@ segment and removing the runtime directory, also after a crash.
 Start order: the step buffers (this process owns them), then the rank worker and the tokenizer pool
 (they load in parallel; the worker reports how many KV blocks it sized on a GPU), then the scheduler
 (which needs that number and the end-of-sequence ids), then the frontend. Children are plain
-subprocesses (``python -m stride.launcher --child ROLE INDEX``) that read their configuration as JSON on
-stdin: nothing is pickled.
+subprocesses (``python -m stride.launcher --child ROLE INDEX``) that read their configuration as one line of
+JSON on stdin: nothing is pickled.
+
+No child outlives the launcher. Its end of each child's stdin stays open for the launch's life, and nothing more
+is written to it: a child that reads end-of-file knows the launcher is gone, however it died (SIGKILL included),
+removes the launch's shared-memory segments and runtime directory, and exits at once. A launch whose processes
+were all killed together is cleaned up by the next launch under the same runtime root
+(:func:`~stride.ipc.rundir.sweep_stale_launches`).
 """
 
 from __future__ import annotations
@@ -19,18 +25,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import zmq
 
 from stride import env
-from stride.config import CacheConfig, SchedulerConfig, ServerConfig, StrideConfig, WorkerConfig
+from stride.config import CacheConfig, IpcConfig, LaunchFacts, SchedulerConfig, ServerConfig, StrideConfig, WorkerConfig
 from stride.ipc import messages as m
 from stride.ipc.layouts import StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
-from stride.ipc.rundir import make_ipc_config, remove_run_dir
+from stride.ipc.rundir import make_ipc_config, remove_run_dir, sweep_stale_launches, write_owner
 from stride.ipc.shm import remove_launch_segments
 from stride.model_files import default_model_path, model_context_length
 
@@ -54,10 +61,13 @@ class Launch:
         self.stop = stop if stop is not None else [False]
         self.trace_path = trace_path
         self.quiet = quiet
+        write_owner(config.ipc)
+        sweep_stale_launches(os.path.dirname(config.ipc.run_dir), keep=config.ipc.run_dir)
         self.ctx = zmq.Context()
         self.control: PullQueue[m.Message] = PullQueue(self.ctx, config.ipc.control_address(), m.TO_LAUNCHER)
         self.buffers = StepBuffers.create(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
         self.procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        self._lifelines: list[IO[bytes]] = []  # each child's stdin: closed only when the launch is over
         self.info: dict[tuple[str, int], dict[str, Any]] = {}
         self.port = 0
         self._closed = False
@@ -69,8 +79,9 @@ class Launch:
         proc = subprocess.Popen([sys.executable, "-m", "stride.launcher", "--child", role, str(index)],
                                 stdin=subprocess.PIPE, start_new_session=False)
         assert proc.stdin is not None
-        proc.stdin.write(payload)
-        proc.stdin.close()
+        proc.stdin.write(payload + b"\n")
+        proc.stdin.flush()
+        self._lifelines.append(proc.stdin)
         self.procs[(role, index)] = proc
 
     def _await_ready(self, wanted: set[tuple[str, int]], what: str) -> None:
@@ -109,9 +120,11 @@ class Launch:
             self._spawn("worker", 0, cfg)  # loads while the tokenizers do
             self._await_ready(tokenizers | {("worker", 0)}, "the worker and the tokenizer pool")
         num_blocks = int(self.info[("worker", 0)]["num_blocks"])
-        eos = list(self.info[("tokenizer", 0)]["eos_token_ids"])
-        self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks))
-        self._spawn("scheduler", 0, cfg, {"eos_token_ids": eos, "trace_path": self.trace_path})
+        facts = LaunchFacts(vocab_size=int(self.info[("worker", 0)]["vocab_size"]),
+                            eos_token_ids=tuple(self.info[("tokenizer", 0)]["eos_token_ids"]))
+        self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks),
+                                                facts=facts)
+        self._spawn("scheduler", 0, cfg, {"trace_path": self.trace_path})
         self._await_ready({("scheduler", 0)}, "the scheduler")
         self._spawn("frontend", 0, cfg)
         self._await_ready({("frontend", 0)}, "the frontend")
@@ -185,6 +198,9 @@ class Launch:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for lifeline in self._lifelines:
+            with contextlib.suppress(OSError):
+                lifeline.close()
         self.control.close()
         self.ctx.destroy(linger=0)
         self.buffers.close()
@@ -217,6 +233,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default="")
     p.add_argument("--tokenizer-workers", type=int, default=2)
     p.add_argument("--api-keys", default="", help="file of 'KEY TENANT' lines; requests then need a key")
+    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="largest HTTP request body and client-library message; larger ones are refused unread")
+    p.add_argument("--max-prompt-chars", type=int, default=ServerConfig.max_prompt_chars,
+                   help="most characters of a prompt, refused before tokenizing "
+                        "(default: 16 per token of the context)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     p.add_argument("--max-waiting-requests", type=int, default=SchedulerConfig.max_waiting_requests,
@@ -255,7 +276,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                             num_threads=args.threads, cuda_graphs=not args.enforce_eager,
                             quantize=args.quantize),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
-                            api_keys_file=args.api_keys, model_name=args.served_model_name),
+                            api_keys_file=args.api_keys, model_name=args.served_model_name,
+                            max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars),
     )
 
 
@@ -310,13 +332,31 @@ def main(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ child processes
 
 
+def _exit_with_launcher(lifeline: IO[bytes], ipc: IpcConfig, role: str, index: int) -> None:
+    """A child's watch on its launcher (a daemon thread): ``lifeline`` is the launcher's pipe, which sends
+    nothing after the configuration, so end-of-file means the launcher has gone. Then remove what the launch
+    holds and exit at once, whatever the main thread is doing."""
+    with contextlib.suppress(OSError):
+        while lifeline.read(4096):
+            pass
+    log.error("%s %d: the launcher is gone; removing the launch's files and exiting", role, index)
+    with contextlib.suppress(Exception):
+        remove_launch_segments(ipc.shm_prefix)
+        remove_run_dir(ipc)
+    logging.shutdown()
+    os._exit(1)
+
+
 def child_main(role: str, index: int) -> int:
-    """Entry of a child process: configuration from stdin, then the role's own loop."""
+    """Entry of a child process: configuration from the first line of stdin, then the role's own loop."""
     logging.basicConfig(level=env.LOG_LEVEL.get().upper(),
                         format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to turn into an orderly stop
-    payload = orjson.loads(sys.stdin.buffer.read())
+    lifeline = sys.stdin.buffer
+    payload = orjson.loads(lifeline.readline())
     config = StrideConfig.from_dict(payload["config"])
+    threading.Thread(target=_exit_with_launcher, args=(lifeline, config.ipc, role, index), daemon=True,
+                     name="launcher-watch").start()
     extra = payload["extra"]
     if role == "worker":
         from stride.workers.process import run as run_worker
@@ -326,7 +366,7 @@ def child_main(role: str, index: int) -> int:
         return run_tokenizer(config, index)
     if role == "scheduler":
         from stride.sched.process import run as run_scheduler
-        return run_scheduler(config, extra["eos_token_ids"], extra.get("trace_path", ""))
+        return run_scheduler(config, extra.get("trace_path", ""))
     if role == "frontend":
         from stride.frontend.app import run as run_frontend
         return run_frontend(config)

@@ -4,13 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SEED_MODULUS = 1 << 64
+"""Seeds are 64-bit: the API takes any integer in [-2**63, 2**64) and keeps it modulo 2**64."""
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_CHARS = 1024
+"""Longest stop string; the stop matcher holds back that many characters of every stream that has one."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The one error code for a prompt (with ``max_tokens``) that does not fit the context, wherever it is found."""
+
+
+def context_overflow(num_prompt_tokens: int | None, max_tokens: int | None, max_model_len: int) -> str | None:
+    """Why a request cannot fit a context of ``max_model_len`` tokens, or None when it fits. The prompt length is
+    None where it is not known yet (a text prompt before tokenizing): then ``max_tokens`` alone is checked against
+    the context less the one token a prompt has at least. ``max_tokens`` None means the rest of the context."""
+    if num_prompt_tokens is None:
+        if max_tokens is not None and max_tokens >= max_model_len:
+            return (f"max_tokens is {max_tokens}; this model's context is {max_model_len} tokens, prompt included, "
+                    f"so max_tokens must be below {max_model_len}")
+        return None
+    if max_tokens is None:
+        if num_prompt_tokens >= max_model_len:
+            return (f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens, "
+                    "including at least one output token")
+        return None
+    if num_prompt_tokens + max_tokens > max_model_len:
+        return (f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} tokens do not fit this model's context of {max_model_len}")
+    return None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence is sampled and when it stops. ``ValueError`` names the offending field."""
 
-    max_tokens: int = 16
-    """Most tokens to generate."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None: the rest of the context (resolved where the prompt's length is known)."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
@@ -20,7 +48,7 @@ class SamplingParams:
     min_p: float = 0.0
     """Drop tokens whose probability is below ``min_p`` times the most likely one's."""
     seed: int | None = None
-    """Per-request seed: the same seed and inputs give the same tokens."""
+    """Per-request seed in [0, 2**64): the same seed and inputs give the same tokens."""
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token generated at least once (OpenAI semantics)."""
     frequency_penalty: float = 0.0
@@ -38,17 +66,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+             "an integer >= 1"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_MODULUS),
+             "an integer in [0, 2**64)"),
             ("temperature", 0.0 <= self.temperature <= 100.0, "in [0, 100]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0"),
+            ("top_k", _is_int(self.top_k) and 0 <= self.top_k < (1 << 31), "an integer in [0, 2**31)"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "in [0, 20]"),
-            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
-             "at most 16 non-empty strings"),
+            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                  for s in self.stop),
+             f"at most 16 non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(_is_int(t) and 0 <= t < (1 << 31) for t in self.stop_token_ids),
+             f"at most {MAX_STOP_TOKEN_IDS} token ids"),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -57,3 +92,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

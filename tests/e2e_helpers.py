@@ -21,6 +21,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import zmq
+
+from stride.ipc.codec import Decoder, encode
+from stride.ipc.messages import TO_CLIENT, ClientOutput, Message
+
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 _SERVING = re.compile(r"serving (\S+) on http://([\d.]+):(\d+) .*client library: ipc://(\S+)/client\.sock")
@@ -156,6 +161,42 @@ class StrideServer:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+class Dealer:
+    """A raw client-library socket (ZeroMQ DEALER), for frames the library itself would never send."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.decoder: Decoder[Message] = Decoder(TO_CLIENT)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(encode(msg))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def recv(self, timeout_ms: int = 10_000) -> ClientOutput:
+        assert self.sock.poll(timeout_ms), "no answer from the frontend"
+        msg = self.decoder.decode(self.sock.recv())
+        assert isinstance(msg, ClientOutput)
+        return msg
+
+    def until_done(self, req_id: str) -> list[ClientOutput]:
+        outs = []
+        while True:
+            out = self.recv()
+            assert out.req_id == req_id
+            outs.append(out)
+            if out.finish_reason is not None or out.error is not None:
+                return outs
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
 
 
 def _kill(pid: int) -> None:

@@ -62,7 +62,22 @@ BATTERY: list[tuple[str, str, str | bytes | None, int, str | None]] = [
     ("POST", C, comp(echo=True), 400, "echo"),
     ("POST", C, comp(best_of=3), 400, "best_of"),
     ("POST", C, comp(logit_bias={"1": 5}), 400, "logit_bias"),
-    ("POST", C, comp(frobnicate=1), 400, "frobnicate"),
+    ("POST", C, comp(echo="yes"), 400, "echo"),
+    ("POST", C, comp(best_of=True), 400, "best_of"),
+    ("POST", C, comp(suffix=1), 400, "suffix"),
+    ("POST", C, comp(suffix="x"), 400, "suffix"),
+    ("POST", C, comp(seed=2**64), 400, "seed"),
+    ("POST", C, comp(seed=-2**63 - 1), 400, "seed"),
+    ("POST", C, comp(max_tokens=10**12), 400, "max_tokens"),
+    ("POST", C, comp(max_tokens=2**63), 400, "max_tokens"),
+    ("POST", C, comp(max_tokens=8192), 400, "max_tokens"),
+    ("POST", C, comp(prompt=[1] * 8000, max_tokens=500), 400, "prompt"),
+    ("POST", C, comp(stop_token_ids=[2**63]), 400, "stop_token_ids"),
+    ("POST", C, comp(stop_token_ids=[1] * 257), 400, "stop_token_ids"),
+    ("POST", C, comp(stop=["x" * 1025]), 400, "stop"),
+    ("POST", C, comp(top_k=2**40), 400, "top_k"),
+    ("POST", C, comp(user=5), 400, "user"),
+    ("POST", C, comp(tools=[]), 400, "tools"),
     ("POST", C, comp(service_class="vip"), 400, "service_class"),
     ("POST", C, comp(stream="yes"), 400, "stream"),
     ("POST", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
@@ -78,9 +93,15 @@ BATTERY: list[tuple[str, str, str | bytes | None, int, str | None]] = [
     ("POST", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400, "messages[0]"),
     ("POST", CHAT, chat(logprobs=5), 400, "logprobs"),
     ("POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
-    ("POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "logprobs"),
+    ("POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("POST", CHAT, chat(max_completion_tokens=-1), 400, "max_completion_tokens"),
     ("POST", CHAT, chat(tools=[]), 400, "tools"),
+    ("POST", CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
+    ("POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("POST", CHAT, chat(response_format="text"), 400, "response_format"),
+    ("POST", CHAT, chat(logprobs=True, top_logprobs=2**40), 400, "top_logprobs"),
+    ("POST", CHAT, chat(max_tokens=10**12), 400, "max_tokens"),
+    ("POST", CHAT, chat(messages=[{"role": "user", "content": "x", "name": 5}]), 400, "messages[0].name"),
     ("GET", "/v1/nope", None, 404, None),
     ("POST", "/v1/embeddings", comp(), 404, None),
     ("GET", C, None, 405, None),
@@ -91,9 +112,9 @@ BATTERY: list[tuple[str, str, str | bytes | None, int, str | None]] = [
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    config = make_config()
+    config = make_config(max_body_bytes=MAX_BODY)
     try:
-        with LiveServer(config, max_body_bytes=MAX_BODY) as srv:
+        with LiveServer(config) as srv:
             yield srv
     finally:
         remove_run_dir(config.ipc)
@@ -127,6 +148,41 @@ def test_valid_variants_are_accepted(server: LiveServer) -> None:
         assert code == 200, data
     code, _, data = raw(server.url, "POST", C, json.dumps({"prompt": "no model field", "max_tokens": 1}))
     assert code == 200 and json.loads(data)["model"] == MODEL
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(server: LiveServer) -> None:
+    code, headers, data = raw(server.url, "POST", C, comp(max_tokens=1, frobnicate=1, zeta={"a": 1}))
+    assert code == 200, data
+    assert headers["X-Stride-Ignored-Fields"] == "frobnicate, zeta"
+    code, headers, data = raw(server.url, "POST", CHAT, chat(max_tokens=1, response_format={"type": "text"},
+                                                            stream=True, stream_options={"include_usage": True,
+                                                                                         "later": 1},
+                                                            parallel_tool_calls=False))
+    assert code == 200 and headers["X-Stride-Ignored-Fields"] == "parallel_tool_calls", data
+    assert data.endswith(b"data: [DONE]\n\n")
+    # A refusal still names what was ignored; a body with nothing unknown carries no such header.
+    code, headers, _ = raw(server.url, "POST", C, comp(max_tokens=0, frobnicate=1))
+    assert code == 400 and headers["X-Stride-Ignored-Fields"] == "frobnicate"
+    code, headers, _ = raw(server.url, "POST", C, comp(max_tokens=1))
+    assert code == 200 and "X-Stride-Ignored-Fields" not in headers
+    # Fields we use stay strict on their types: the negative control for the leniency above.
+    code, _, _ = raw(server.url, "POST", C, comp(max_tokens=1, suffix="", best_of=2, n=2, echo=False))
+    assert code == 200
+
+
+def test_context_errors_share_one_code(server: LiveServer) -> None:
+    """max_tokens past the context, and token prompts that with max_tokens do not fit: 400, one code, the
+    numbers in the message. Prompts that just fit pass (the boundary, as a negative control)."""
+    for path, body, numbers in [(C, comp(max_tokens=10**12), ["1000000000000", "8192"]),
+                                (C, comp(prompt=[1] * 8000, max_tokens=500), ["8000", "500", "8192"]),
+                                (C, comp(prompt=[1] * 8192), ["8192"]),
+                                (CHAT, chat(max_completion_tokens=8192), ["8192"])]:
+        code, _, data = raw(server.url, "POST", path, body)
+        err = json.loads(data)["error"]
+        assert code == 400 and err["code"] == "context_length_exceeded", (body[:60], err)
+        assert all(n in err["message"] for n in numbers), err
+    code, _, data = raw(server.url, "POST", C, comp(prompt=[1] * 8190, max_tokens=2))
+    assert code == 200, data
 
 
 def test_api_key_file_parsing(tmp_path: object) -> None:

@@ -27,7 +27,6 @@ from stride.ipc.messages import (
     AbortRequest,
     GenerateRequest,
     Message,
-    ReleaseRequest,
     RequestFailed,
     SchedulerStats,
     TextDelta,
@@ -58,7 +57,9 @@ class FakeBackend:
     config: StrideConfig
     generates: list[GenerateRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
-    releases: list[str] = field(default_factory=list)
+    """Aborts that reached a tokenizer (the one path the frontend has for them)."""
+    direct_aborts: list[str] = field(default_factory=list)
+    """Aborts sent straight to the scheduler: the frontend must send none."""
     by_tokenizer: dict[int, int] = field(default_factory=dict)
     seen: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -90,13 +91,13 @@ class FakeBackend:
         while True:
             msg = await q.get()
             if isinstance(msg, AbortRequest):
-                self.aborts.append(msg.req_id)
+                self.direct_aborts.append(msg.req_id)
 
     async def _tokenizer(self, index: int, q: AsyncPullQueue[Message]) -> None:
         while True:
             msg = await q.get()
-            if isinstance(msg, ReleaseRequest):
-                self.releases.append(msg.req_id)
+            if isinstance(msg, AbortRequest):
+                self.aborts.append(msg.req_id)
             elif isinstance(msg, GenerateRequest):
                 self.generates.append(msg)
                 self.by_tokenizer[index] = self.by_tokenizer.get(index, 0) + 1

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from stride.params import SamplingParams
-from stride.workers.process import ModelStepper, _needs_history
+from stride.workers.process import ModelStepper, _History, _needs_history
 
 
 def test_penalties_need_history_and_plain_sampling_does_not() -> None:
@@ -23,7 +23,7 @@ def test_collect_splits_each_sequence_at_its_prompt_length() -> None:
     params = SamplingParams(repetition_penalty=1.3)
     # Slot 5 is penalised (prompt of 4 tokens, resumed after preemption: prompt + 2 outputs recomputed);
     # slot 2 is not, and its tokens must not be collected.
-    stepper._history = {5: (params, 4, [], [])}
+    stepper._history = {5: _History(params, 4, "r5")}
     buf = SimpleNamespace(
         seq_slots=np.array([2, 5], np.int32),
         query_lens=np.array([3, 6], np.int32),
@@ -31,10 +31,10 @@ def test_collect_splits_each_sequence_at_its_prompt_length() -> None:
         positions=np.array([7, 8, 9, 0, 1, 2, 3, 4, 5], np.int32),
     )
     stepper._collect(buf, 2)  # type: ignore[arg-type]
-    _, prompt_len, prompt, output = stepper._history[5]
-    assert (prompt_len, prompt, output) == (4, [10, 11, 12, 13], [20, 21])
+    hist = stepper._history[5]
+    assert (hist.prompt_len, hist.prompt, hist.output) == (4, [10, 11, 12, 13], [20, 21])
     # A following decode step appends to the output side only.
     buf2 = SimpleNamespace(seq_slots=np.array([5], np.int32), query_lens=np.array([1], np.int32),
                            token_ids=np.array([22], np.int32), positions=np.array([6], np.int32))
     stepper._collect(buf2, 1)  # type: ignore[arg-type]
-    assert stepper._history[5][2:] == ([10, 11, 12, 13], [20, 21, 22])
+    assert (hist.prompt, hist.output) == ([10, 11, 12, 13], [20, 21, 22])

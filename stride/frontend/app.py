@@ -23,7 +23,7 @@ from stride.frontend.backend import Backend
 from stride.frontend.client_server import ClientServer
 from stride.frontend.errors import ApiError, error_middleware, invalid
 from stride.frontend.metrics import CONTENT_TYPE, FrontendMetrics
-from stride.frontend.protocol import parse_chat, parse_completion
+from stride.frontend.protocol import Limits, ignored_header, parse_chat, parse_completion
 from stride.frontend.streaming import Generation
 from stride.ipc.messages import ProcessFailed, ProcessReady
 from stride.ipc.queues import PushQueue
@@ -31,12 +31,12 @@ from stride.ipc.queues import PushQueue
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-MAX_BODY_BYTES = 8 << 20
 
 CONFIG = web.AppKey("config", StrideConfig)
 BACKEND = web.AppKey("backend", Backend)
 METRICS = web.AppKey("metrics", FrontendMetrics)
 AUTH = web.AppKey("auth", Authenticator)
+LIMITS = web.AppKey("limits", Limits)
 MODEL = web.AppKey("model_name", str)
 STOP = web.AppKey("stop", asyncio.Event)
 
@@ -75,12 +75,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     tenant = app[AUTH].tenant_for_header(request.headers.get("Authorization"))
     body = await _body(request)
     _check_model(app, body)
-    sched = app[CONFIG].scheduler
-    parsed = parse_chat(body, sched) if chat else parse_completion(body, sched)
+    parsed = parse_chat(body, app[LIMITS]) if chat else parse_completion(body, app[LIMITS])
+    headers = ignored_header(parsed.ignored_fields)
     gen = Generation(app[BACKEND], app[METRICS], parsed, tenant, app[CONFIG].server.retry_after_s)
-    if parsed.stream:
-        return await gen.stream(request, app[MODEL])
-    return web.json_response(await gen.body(app[MODEL]), dumps=lambda o: orjson.dumps(o).decode())
+    try:
+        if parsed.stream:
+            return await gen.stream(request, app[MODEL], headers)
+        return web.json_response(await gen.body(app[MODEL]), dumps=lambda o: orjson.dumps(o).decode(),
+                                 headers=headers)
+    except ApiError as e:
+        e.headers.update(headers)
+        raise
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -111,15 +116,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def create_app(config: StrideConfig, *, max_body_bytes: int = MAX_BODY_BYTES,
-               serve_clients: bool = True) -> web.Application:
+def create_app(config: StrideConfig, *, serve_clients: bool = True) -> web.Application:
     """The frontend application. Its startup binds ``frontend_address`` (and ``client_address`` when
     ``serve_clients``) and connects to the tokenizers and the scheduler; its cleanup closes them.
 
     ``app[BACKEND].mark_unhealthy(reason)`` turns ``/health`` to 503 from the process loop; a
     ``RequestFailed`` with code ``worker_dead`` does the same from the wire."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[LIMITS] = Limits.from_config(config)
     app[MODEL] = served_model_name(config)
     app[AUTH] = Authenticator.from_file(config.server.api_keys_file)
     app[METRICS] = FrontendMetrics(app[MODEL])
@@ -131,7 +136,7 @@ def create_app(config: StrideConfig, *, max_body_bytes: int = MAX_BODY_BYTES,
         backend.on_stats = app[METRICS].update_scheduler
         backend.on_shutdown = lambda reason: app[STOP].set()
         await backend.start()
-        clients = ClientServer(config, backend, app[AUTH], app[METRICS]) if serve_clients else None
+        clients = ClientServer(config, backend, app[AUTH], app[METRICS], app[LIMITS]) if serve_clients else None
         if clients is not None:
             await clients.start()
         yield

@@ -3,6 +3,11 @@ aborts what a client abandons. Does no HTTP; both the HTTP handlers and the clie
 
 One receiver task reads the frontend's PULL socket and routes each delta by ``req_id`` to the
 :class:`RequestStream` of the request the sequence belongs to.
+
+Cancellation has one path: an abort goes to the tokenizer the sequence was sent to, on the same socket and so
+after the request itself; that tokenizer drops its state and passes the abort on to the scheduler, after the
+tokenized request if it sent one. So an abort reaches its request wherever it is -- still queued at a busy
+tokenizer, waiting at the scheduler, or running -- and never arrives before it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from stride.ipc.messages import (
     AbortRequest,
     GenerateRequest,
     Message,
-    ReleaseRequest,
     RequestFailed,
     SchedulerStats,
     Shutdown,
@@ -69,7 +73,6 @@ class Backend:
         self._rr = itertools.count()
         self._ctx: zmq.asyncio.Context | None = None
         self._tokenizers: list[AsyncPushQueue[Message]] = []
-        self._scheduler: AsyncPushQueue[Message] | None = None
         self._pull: AsyncPullQueue[Message] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
@@ -79,7 +82,6 @@ class Backend:
         self._pull = AsyncPullQueue(self._ctx, self.ipc.frontend_address(), TO_FRONTEND + (Shutdown,))
         self._tokenizers = [AsyncPushQueue(self._ctx, self.ipc.tokenizer_address(i))
                             for i in range(self.num_tokenizers)]
-        self._scheduler = AsyncPushQueue(self._ctx, self.ipc.scheduler_address())
         self._receiver = asyncio.create_task(self._receive(), name="frontend-receiver")
 
     async def stop(self) -> None:
@@ -88,7 +90,7 @@ class Backend:
             await asyncio.gather(self._receiver, return_exceptions=True)
         if self._pending:
             await asyncio.wait(self._pending, timeout=1.0)
-        for q in [*self._tokenizers, self._scheduler, self._pull]:
+        for q in [*self._tokenizers, self._pull]:
             if q is not None:
                 q.close()
         if self._ctx is not None:
@@ -107,18 +109,23 @@ class Backend:
         self.unhealthy_reason = reason
 
     async def submit(self, req_id: str, seqs: list[GenerateRequest]) -> RequestStream:
-        """Register the request's stream, then send each sequence to a tokenizer (round-robin)."""
+        """Register the request's stream, then send each sequence to a tokenizer (round-robin). If sending fails
+        part way, what was sent is aborted before the error propagates."""
         stream = RequestStream(req_id=req_id, seq_ids=[s.req_id for s in seqs], tokenizer_of={})
         for i, seq in enumerate(seqs):
             stream.tokenizer_of[seq.req_id] = next(self._rr) % self.num_tokenizers
             self._streams[seq.req_id] = (stream, i)
-        for seq in seqs:
-            await self._tokenizers[stream.tokenizer_of[seq.req_id]].put(seq)
+        try:
+            for seq in seqs:
+                await self._tokenizers[stream.tokenizer_of[seq.req_id]].put(seq)
+        except BaseException:
+            self.close(stream)
+            raise
         return stream
 
     def close(self, stream: RequestStream) -> None:
-        """Forget a request; every sequence not yet finished is aborted at the scheduler and released at
-        its tokenizer. Safe to call from a ``finally`` of a cancelled task: the sends run in tasks."""
+        """Forget a request; every sequence not yet finished is aborted through its tokenizer (which releases it
+        and tells the scheduler). Safe to call from a ``finally`` of a cancelled task: the sends run in tasks."""
         for seq_id in stream.seq_ids:
             self._streams.pop(seq_id, None)
             if seq_id not in stream.finished:
@@ -126,12 +133,7 @@ class Backend:
                 self._spawn(self._abort(seq_id, stream.tokenizer_of[seq_id]))
 
     async def _abort(self, seq_id: str, tokenizer: int) -> None:
-        assert self._scheduler is not None
-        await self._scheduler.put(AbortRequest(req_id=seq_id))
-        await self._tokenizers[tokenizer].put(ReleaseRequest(req_id=seq_id))
-
-    async def _release(self, seq_id: str, tokenizer: int) -> None:
-        await self._tokenizers[tokenizer].put(ReleaseRequest(req_id=seq_id))
+        await self._tokenizers[tokenizer].put(AbortRequest(req_id=seq_id))
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
@@ -181,10 +183,8 @@ class Backend:
         if entry is None:
             return  # late output of an aborted request
         stream, index = entry
+        # Whoever failed a sequence (tokenizer, scheduler) has already released it everywhere it was held.
         if isinstance(msg, RequestFailed) or msg.finish_reason is not None:
             stream.finished.add(msg.req_id)
             del self._streams[msg.req_id]
-        if isinstance(msg, RequestFailed):
-            # Whoever failed it (tokenizer, scheduler) may not be the tokenizer holding its state.
-            self._spawn(self._release(msg.req_id, stream.tokenizer_of[msg.req_id]))
         stream.queue.put_nowait((index, msg))

@@ -33,13 +33,15 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.headers: dict[str, str] = {}
+        """Extra response headers (e.g. the ignored fields of the request refused)."""
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(self.retry_after_s)
         return web.json_response(self.body(), status=self.status, headers=headers)

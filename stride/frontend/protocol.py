@@ -4,26 +4,77 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from stride.config import SchedulerConfig
+from stride.config import SchedulerConfig, StrideConfig
 from stride.frontend.errors import ApiError, from_value_error, invalid
 from stride.ipc.messages import GenerateRequest
-from stride.params import SamplingParams
+from stride.params import CONTEXT_LENGTH_EXCEEDED, SEED_MODULUS, SamplingParams, context_overflow
+
+log = logging.getLogger(__name__)
 
 MAX_N = 16
-DEFAULT_CHAT_MAX_TOKENS = 1024
-"""Chat requests without ``max_tokens`` get this many (or the context length, if shorter)."""
+MAX_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens`` generates this many, as OpenAI's legacy API and vLLM do; chat
+requests without it get the rest of the context."""
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "stop_token_ids"}
 _COMMON = _SAMPLING_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user",
                               "service_class", "logit_bias"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
 CLIENT_FIELDS = _SAMPLING_FIELDS | {"max_tokens", "stop", "logprobs", "service_class"}
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call"}
+"""Fields that change what a client gets back, so ignoring them would answer a different question: refused with a
+400 naming them, where every other unknown field is ignored."""
+IGNORED_FIELDS_HEADER = "X-Stride-Ignored-Fields"
+"""Names the request fields this server did not know and ignored (comma-separated), on any answer."""
 _ROLES = ("system", "developer", "user", "assistant")
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against before anything is sent: the context, the vocabulary, the prompt's size,
+    the service classes. Built once per frontend from the launch's configuration."""
+
+    sched: SchedulerConfig
+    vocab_size: int = 0
+    """Token ids must be below it; 0: not known (ids are then only checked to be non-negative)."""
+    max_prompt_chars: int = 0
+    """Most characters of a prompt; 0: no bound."""
+
+    @staticmethod
+    def from_config(config: StrideConfig) -> Limits:
+        return Limits(config.scheduler, config.facts.vocab_size,
+                      config.server.prompt_char_limit(config.scheduler.max_model_len))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.sched.max_model_len
+
+    def check_token_ids(self, ids: list[Any], name: str) -> None:
+        bound = self.vocab_size or (1 << 31)
+        if not all(_is_int(t) and 0 <= t < bound for t in ids):
+            raise invalid(f"'{name}' must be token ids in [0, {bound})", name)
+
+    def check_chars(self, num_chars: int) -> None:
+        if self.max_prompt_chars and num_chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {num_chars} characters; this server takes at most "
+                                f"{self.max_prompt_chars} (--max-prompt-chars)", param="prompt",
+                           code="prompt_too_long")
+
+
+def context_error(message: str, param: str = "max_tokens") -> ApiError:
+    return ApiError(400, message, param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def ignored_header(fields: tuple[str, ...]) -> dict[str, str]:
+    return {IGNORED_FIELDS_HEADER: ", ".join(fields)} if fields else {}
 
 
 @dataclass(frozen=True)
@@ -39,6 +90,8 @@ class ParsedRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     service_class: str | None = None
+    ignored_fields: tuple[str, ...] = ()
+    """Fields of the body this server does not know and ignored (named in a response header)."""
 
     def sequences(self, req_id: str, tenant: str) -> list[GenerateRequest]:
         """The wire requests, one per sequence: ids ``<req_id>-i``, seeds ``seed + i`` when seeded."""
@@ -46,7 +99,7 @@ class ParsedRequest:
         for i in range(self.n):
             params = self.params
             if params.seed is not None and i:
-                params = dataclasses.replace(params, seed=params.seed + i)
+                params = dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS)
             out.append(GenerateRequest(req_id=f"{req_id}-{i}", tenant=tenant, params=params,
                                        prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                        messages=self.messages, service_class=self.service_class))
@@ -71,12 +124,21 @@ def _get(body: dict[str, Any], name: str, kind: str) -> Any:
     return v
 
 
-def _check_fields(body: Any, allowed: set[str]) -> None:
+def _check_fields(body: Any, allowed: set[str], *, strict: bool = False) -> tuple[str, ...]:
+    """The fields of ``body`` outside ``allowed``, which are ignored (each logged once per process); those in
+    :data:`UNSUPPORTED_FIELDS`, or any with ``strict``, are refused."""
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise invalid(f"unrecognized request argument: {unknown[0]}", unknown[0])
+    for name in unknown:
+        if name in UNSUPPORTED_FIELDS:
+            raise invalid(f"'{name}' is not supported", name)
+        if strict:
+            raise invalid(f"unrecognized parameter: {name}", name)
+        if name not in _warned and len(_warned) < 1024:
+            _warned.add(name)
+            log.warning("ignoring unknown request field %r (logged once)", name)
+    return tuple(unknown)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -90,21 +152,24 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise invalid("'stop' must be a string or an array of strings", "stop")
 
 
-def sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: dict[str, Any], limits: Limits, *, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
     """Build :class:`SamplingParams` from the shared fields; range errors become 400s naming the field."""
-    kwargs: dict[str, Any] = {"stop": _stop(body), "logprobs": logprobs}
-    if max_tokens is not None:
-        kwargs["max_tokens"] = max_tokens
+    kwargs: dict[str, Any] = {"stop": _stop(body), "logprobs": logprobs, "max_tokens": max_tokens}
     for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
                        ("seed", "int"), ("presence_penalty", "number"), ("frequency_penalty", "number"),
                        ("repetition_penalty", "number"), ("ignore_eos", "bool")):
         v = _get(body, name, kind)
         if v is not None:
             kwargs[name] = float(v) if kind == "number" else v
+    seed = kwargs.get("seed")
+    if seed is not None:
+        if not -(1 << 63) <= seed < SEED_MODULUS:
+            raise invalid(f"'seed' must be a 64-bit integer, got {seed}", "seed")
+        kwargs["seed"] = seed % SEED_MODULUS
     ids = _get(body, "stop_token_ids", "list")
     if ids is not None:
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise invalid("'stop_token_ids' must be non-negative integers", "stop_token_ids")
+        limits.check_token_ids(ids, "stop_token_ids")
         kwargs["stop_token_ids"] = tuple(ids)
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM's spelling of "no top-k"
@@ -114,8 +179,18 @@ def sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: i
         raise from_value_error(e) from None
 
 
-def _common(body: dict[str, Any], sched: SchedulerConfig) -> dict[str, Any]:
-    """Fields shared by both endpoints: n, stream, stream_options, service_class, and the ignored ones."""
+def _service_class(body: dict[str, Any], sched: SchedulerConfig) -> str | None:
+    service_class = _get(body, "service_class", "str")
+    if service_class is not None:
+        try:
+            sched.service_class(service_class)
+        except ValueError as e:
+            raise invalid(str(e), "service_class") from None
+    return service_class
+
+
+def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """Fields shared by both endpoints: n, stream, stream_options, service_class, and the refused ones."""
     n = _get(body, "n", "int")
     if n is not None and not 1 <= n <= MAX_N:
         raise invalid(f"'n' must be in [1, {MAX_N}], got {n}", "n")
@@ -125,47 +200,49 @@ def _common(body: dict[str, Any], sched: SchedulerConfig) -> dict[str, Any]:
     if opts is not None:
         if not stream:
             raise invalid("'stream_options' is only allowed with 'stream': true", "stream_options")
-        _check_fields(opts, {"include_usage", "continuous_usage_stats"})
         include_usage = bool(_get(opts, "include_usage", "bool"))
-    service_class = _get(body, "service_class", "str")
-    if service_class is not None:
-        try:
-            sched.service_class(service_class)
-        except ValueError as e:
-            raise invalid(str(e), "service_class") from None
+        _get(opts, "continuous_usage_stats", "bool")
     _get(body, "user", "str")
-    if body.get("logit_bias"):
+    if _get(body, "logit_bias", "dict"):
         raise invalid("'logit_bias' is not supported", "logit_bias")
-    return {"n": n or 1, "stream": stream, "include_usage": include_usage, "service_class": service_class}
+    return {"n": n or 1, "stream": stream, "include_usage": include_usage,
+            "service_class": _service_class(body, limits.sched)}
 
 
-def _max_tokens(body: dict[str, Any], name: str) -> int | None:
+def _max_tokens(body: dict[str, Any], name: str, limits: Limits) -> int | None:
     v = _get(body, name, "int")
     if v is not None and v < 1:
         raise invalid(f"'{name}' must be at least 1, got {v}", name)
+    why = context_overflow(None, v, limits.max_model_len)
+    if why is not None:
+        raise context_error(why.replace("max_tokens", name, 1), name)
     return v
 
 
-def parse_prompt(prompt: Any, max_model_len: int) -> tuple[str | None, list[int] | None]:
+def parse_prompt(prompt: Any, limits: Limits, max_tokens: int | None) -> tuple[str | None, list[int] | None]:
     """A completions ``prompt``: a string, a one-element array of strings, or token ids (flat or nested
-    once). Returns ``(text, token_ids)`` with exactly one set."""
+    once). Returns ``(text, token_ids)`` with exactly one set. Token ids are checked against the vocabulary and,
+    with ``max_tokens``, against the context; text against the prompt's character bound."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # batches of one are common in clients; larger batches are not supported
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("'prompt' must not be empty", "prompt")
+        limits.check_chars(len(prompt))
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        if len(prompt) >= max_model_len:
-            raise invalid(f"prompt has {len(prompt)} tokens; the context is {max_model_len}", "prompt")
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        limits.check_token_ids(prompt, "prompt")
+        why = context_overflow(len(prompt), max_tokens, limits.max_model_len)
+        if why is not None:
+            raise context_error(why, "prompt")
         return None, list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
     raise invalid("'prompt' must be a non-empty string or an array of non-negative token ids", "prompt")
 
 
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages, with content parts flattened to text; roles checked."""
+def parse_messages(messages: Any, limits: Limits) -> list[dict[str, Any]]:
+    """Chat messages, with content parts flattened to text; roles checked, contents bounded together."""
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty array", "messages")
     out = []
@@ -192,64 +269,103 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise invalid(f"{param}: unsupported field {sorted(extra)[0]!r}", param)
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise invalid(f"{param}.name must be a string", f"{param}.name")
         out.append({"role": role, "content": content})
+    limits.check_chars(sum(len(m["content"]) for m in out))
     return out
 
 
-def parse_completion(body: Any, sched: SchedulerConfig) -> ParsedRequest:
-    _check_fields(body, COMPLETION_FIELDS)
+def _completion_only(body: dict[str, Any], n: int) -> None:
+    """``echo``, ``suffix`` and ``best_of``: accepted where they ask for what a plain completion is."""
+    if _get(body, "echo", "bool"):
+        raise invalid("'echo' is not supported", "echo")
+    if _get(body, "suffix", "str"):
+        raise invalid("'suffix' is not supported", "suffix")
+    best_of = _get(body, "best_of", "int")
+    if best_of is not None and best_of != n:
+        raise invalid(f"'best_of' other than n is not supported (best_of {best_of}, n {n})", "best_of")
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    fmt = _get(body, "response_format", "dict")
+    if fmt is None:
+        return
+    kind = _get(fmt, "type", "str")
+    if kind != "text":
+        raise invalid(f"response_format of type {kind!r} is not supported", "response_format")
+
+
+def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
+    ignored = _check_fields(body, COMPLETION_FIELDS)
+    try:
+        return _parse_completion(body, limits, ignored)
+    except ApiError as e:
+        e.headers.update(ignored_header(ignored))  # a refusal names what was ignored too
+        raise
+
+
+def _parse_completion(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) -> ParsedRequest:
     if "prompt" not in body:
         raise invalid("missing required field 'prompt'", "prompt")
-    if body.get("echo"):
-        raise invalid("'echo' is not supported", "echo")
-    for name in ("best_of", "suffix"):
-        if body.get(name) not in (None, 1):
-            raise invalid(f"'{name}' is not supported", name)
-    common = _common(body, sched)
-    text, token_ids = parse_prompt(body["prompt"], sched.max_model_len)
+    common = _common(body, limits)
+    _completion_only(body, common["n"])
+    max_tokens = _max_tokens(body, "max_tokens", limits)
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    text, token_ids = parse_prompt(body["prompt"], limits, max_tokens)
     logprobs = _get(body, "logprobs", "int")
-    params = sampling_params(body, max_tokens=_max_tokens(body, "max_tokens"), logprobs=logprobs)
-    return ParsedRequest(chat=False, params=params, prompt=text, prompt_token_ids=token_ids, **common)
+    params = sampling_params(body, limits, max_tokens=max_tokens, logprobs=logprobs)
+    return ParsedRequest(chat=False, params=params, prompt=text, prompt_token_ids=token_ids,
+                         ignored_fields=ignored, **common)
 
 
-def parse_chat(body: Any, sched: SchedulerConfig) -> ParsedRequest:
-    _check_fields(body, CHAT_FIELDS)
+def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
+    ignored = _check_fields(body, CHAT_FIELDS)
+    try:
+        return _parse_chat(body, limits, ignored)
+    except ApiError as e:
+        e.headers.update(ignored_header(ignored))
+        raise
+
+
+def _parse_chat(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) -> ParsedRequest:
     if "messages" not in body:
         raise invalid("missing required field 'messages'", "messages")
-    messages = parse_messages(body["messages"])
-    common = _common(body, sched)
+    messages = parse_messages(body["messages"], limits)
+    common = _common(body, limits)
+    _response_format(body)
     want = _get(body, "logprobs", "bool")
     top = _get(body, "top_logprobs", "int")
     if top is not None and not want:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = _max_tokens(body, "max_completion_tokens") or _max_tokens(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, sched.max_model_len)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
-    return ParsedRequest(chat=True, params=params, messages=messages, **common)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    # No max_tokens: the rest of the context, as vLLM does (None, resolved once the prompt is tokenized).
+    max_tokens = _max_tokens(body, "max_completion_tokens", limits) or _max_tokens(body, "max_tokens", limits)
+    params = sampling_params(body, limits, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
+    return ParsedRequest(chat=True, params=params, messages=messages, ignored_fields=ignored, **common)
 
 
 def parse_client(prompt: str | None, prompt_token_ids: list[int] | None,
-                 messages: list[dict[str, Any]] | None, params: dict[str, Any],
-                 sched: SchedulerConfig) -> ParsedRequest:
-    """A :class:`~stride.ipc.messages.ClientGenerate`, validated like an HTTP body (one sequence)."""
-    _check_fields(params, CLIENT_FIELDS)
+                 messages: list[dict[str, Any]] | None, params: dict[str, Any], limits: Limits) -> ParsedRequest:
+    """A :class:`~stride.ipc.messages.ClientGenerate`, validated like an HTTP body (one sequence), except that an
+    unknown parameter is refused: it is most likely a misspelt keyword argument of :mod:`stride.client`, and a
+    library call has no header in which to say what was ignored."""
+    ignored = _check_fields(params, CLIENT_FIELDS, strict=True)
     if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
         raise invalid("exactly one of prompt, prompt_token_ids and messages must be set", "prompt")
-    service_class = _get(params, "service_class", "str")
-    if service_class is not None:
-        try:
-            sched.service_class(service_class)
-        except ValueError as e:
-            raise invalid(str(e), "service_class") from None
-    sp = sampling_params(params, max_tokens=_max_tokens(params, "max_tokens"),
-                         logprobs=_get(params, "logprobs", "int"))
+    service_class = _service_class(params, limits.sched)
+    max_tokens = _max_tokens(params, "max_tokens", limits)
+    if max_tokens is None and messages is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS  # as the two endpoints: a chat gets the rest of the context
+    sp = sampling_params(params, limits, max_tokens=max_tokens, logprobs=_get(params, "logprobs", "int"))
     if messages is not None:
-        return ParsedRequest(chat=True, params=sp, messages=parse_messages(messages),
-                             service_class=service_class)
-    text, ids = parse_prompt(prompt if prompt is not None else prompt_token_ids, sched.max_model_len)
+        return ParsedRequest(chat=True, params=sp, messages=parse_messages(messages, limits),
+                             service_class=service_class, ignored_fields=ignored)
+    text, ids = parse_prompt(prompt if prompt is not None else prompt_token_ids, limits, sp.max_tokens)
     return ParsedRequest(chat=False, params=sp, prompt=text, prompt_token_ids=ids,
-                         service_class=service_class)
+                         service_class=service_class, ignored_fields=ignored)
 
 
-__all__ = ["ApiError", "ParsedRequest", "parse_chat", "parse_client", "parse_completion"]
+__all__ = ["ApiError", "Limits", "ParsedRequest", "parse_chat", "parse_client", "parse_completion"]

@@ -112,7 +112,8 @@ class Generation:
         build = R.chat_body if self.req.chat else R.completion_body
         return build(self.req_id, self.created, model, self.choices, self.req.params.logprobs is not None)
 
-    async def stream(self, request: web.Request, model: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, model: str,
+                     headers: dict[str, str] | None = None) -> web.StreamResponse:
         """Answer with server-sent events. Waits for the first delta before sending headers, so a refusal
         (429, 400 for a too-long prompt) is still a proper HTTP status. The events of deltas that arrived
         together go out in one write: a single delta under light load, several when the frontend is behind
@@ -128,7 +129,7 @@ class Generation:
             async for index, d in it:
                 if resp is None:
                     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+                                                       "Cache-Control": "no-cache", **(headers or {})})
                     await resp.prepare(request)
                     if chat:
                         events += [_event(R.chunk(True, self.req_id, self.created, model, i, text="", role=True,

@@ -59,13 +59,24 @@ class StepOutputs(Message):
 
 @dataclass(frozen=True)
 class ReleaseRequest(Message):
-    """Frontend → tokenizer: forget a request's detokenizer state (client gone)."""
+    """Scheduler → tokenizer: forget a request's detokenizer state (the scheduler refused it)."""
 
     TAG = "release"
     req_id: str
 
 
-TO_TOKENIZER = (GenerateRequest, StepOutputs, ReleaseRequest)
+@dataclass(frozen=True)
+class AbortRequest(Message):
+    """Frontend → tokenizer → scheduler: stop a request and free what it holds (client gone); tokenizer →
+    scheduler also for a stop string. The frontend sends it to the tokenizer it sent the request to, which passes
+    it on, so it reaches the scheduler after the request, wherever the request was when it was sent."""
+
+    TAG = "abort"
+    req_id: str
+    reason: str = "abort"
+
+
+TO_TOKENIZER = (GenerateRequest, StepOutputs, ReleaseRequest, AbortRequest)
 
 # ---------------------------------------------------------------- to the scheduler
 
@@ -84,21 +95,23 @@ class TokenizedRequest(Message):
 
 
 @dataclass(frozen=True)
-class AbortRequest(Message):
-    """Frontend or tokenizer → scheduler: stop a request and free what it holds (client gone, stop string)."""
+class SequenceFailure:
+    """One sequence the worker could not serve in a step (its sampling state could not be set up, say)."""
 
-    TAG = "abort"
     req_id: str
-    reason: str = "abort"
+    error: str
 
 
 @dataclass(frozen=True)
 class StepDone(Message):
-    """Rank 0 → scheduler: step ``step`` ran; its sampled ids are in the step-output segment."""
+    """Rank 0 → scheduler: step ``step`` ran; its sampled ids are in the step-output segment. ``error``: the
+    step as a whole failed (the launch ends); ``failed``: sequences that failed alone (their rows sampled
+    nothing; the scheduler ends them with an error and the rest of the batch goes on)."""
 
     TAG = "step_done"
     step: int
     error: str | None = None
+    failed: list[SequenceFailure] = field(default_factory=list)
 
 
 TO_SCHEDULER = (TokenizedRequest, AbortRequest, StepDone)
@@ -274,8 +287,8 @@ class ProcessFailed(Message):
 
 TO_LAUNCHER = (ProcessReady, Progress, ProcessFailed)
 
-ALL_MESSAGES = (TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER + TO_CLIENT_SERVER
-                + TO_CLIENT)
+ALL_MESSAGES = tuple(dict.fromkeys(TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER
+                                   + TO_CLIENT_SERVER + TO_CLIENT))
 
 
 def decoder_for(classes: tuple[type[Message], ...]) -> Decoder[Message]:

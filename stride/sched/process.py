@@ -47,6 +47,10 @@ class SchedulerLoop:
                                             req.service_class, now)
         except ValueError as e:
             return m.RequestFailed(req.req_id, 400, str(e), "invalid_request")
+        except Exception as e:  # a fault in admitting one request fails that request, not the scheduler
+            log.exception("scheduler: request %s failed", req.req_id)
+            self.core.abort(req.req_id, now)
+            return m.RequestFailed(req.req_id, 500, f"internal error: {type(e).__name__}", "internal_error")
         if refusal is not None:
             return m.RequestFailed(req.req_id, refusal.status, refusal.message, refusal.reason)
         self.routes[req.req_id] = (req.tokenizer_index, req.params.logprobs)
@@ -66,15 +70,23 @@ class SchedulerLoop:
         return plan.descriptor()
 
     def on_step_done(self, done: m.StepDone, now: float) -> dict[int, list[m.TokenOutput]]:
-        """The step's outputs grouped by owning tokenizer."""
+        """The step's outputs grouped by owning tokenizer. A sequence the worker failed alone ends with an
+        error: it is aborted before the update, so its row's token is dropped and its blocks freed."""
         plan = self.inflight
         if plan is None or done.step != plan.step:
             raise RuntimeError(f"StepDone for step {done.step}, in flight: {plan.step if plan else None}")
         self.inflight = None
+        by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
+        for failure in done.failed:
+            log.error("rank 0 failed request %s: %s", failure.req_id, failure.error)
+            self.core.abort(failure.req_id, now)
+            failed_route = self.routes.pop(failure.req_id, None)
+            if failed_route is not None:
+                by_owner[failed_route[0]].append(m.TokenOutput(failure.req_id, [], "error",
+                                                               error=f"worker error: {failure.error}"))
         n = plan.num_seqs
         sampled = np.array(self.buffers.sampled_ids[:n])
         batch = self.core.update(plan, sampled, now)
-        by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
         finished = batch.finished
         # Columns of the batch, walked once; every row has exactly one token.
         for req_id, row, tok, num_prompt, num_cached in zip(
@@ -108,7 +120,7 @@ class SchedulerLoop:
         return self.core.metrics().to_message()
 
 
-def run(config: StrideConfig, eos_token_ids: list[int], trace_path: str = "") -> int:
+def run(config: StrideConfig, trace_path: str = "") -> int:
     """Process entry point. The launcher created the step buffers; this process attaches them."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
@@ -117,7 +129,7 @@ def run(config: StrideConfig, eos_token_ids: list[int], trace_path: str = "") ->
     try:
         buffers = StepBuffers.attach(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
         trace = TraceWriter(trace_path) if trace_path else None
-        loop = SchedulerLoop(config, buffers, eos_token_ids, trace)
+        loop = SchedulerLoop(config, buffers, list(config.facts.eos_token_ids), trace)
         inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.scheduler_address(),
                                                 m.TO_SCHEDULER + (m.Shutdown,))
         to_worker: PushQueue[m.Message] = PushQueue(ctx, config.ipc.worker_address())

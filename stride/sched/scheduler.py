@@ -105,7 +105,7 @@ class Scheduler:
             return rejection
         req = Request(req_id, tenant, prompt, params, klass, now, self._seq_counter)
         self._seq_counter += 1
-        req.max_len = min(len(prompt) + params.max_tokens, self.cfg.max_model_len)
+        req.max_len = min(len(prompt) + self._max_new_tokens(len(prompt), params), self.cfg.max_model_len)
         self.requests[req_id] = req
         self.waiting.push(req)
         return None
@@ -119,9 +119,10 @@ class Scheduler:
                                          "(prompt plus at least one output token)")
         # Admission takes blocks for all tokens at once, so a request that cannot fit the whole pool
         # alone could never run.
-        need = -(-min(n + params.max_tokens, self.cfg.max_model_len) // self.block_size)
+        max_new = self._max_new_tokens(n, params)
+        need = -(-min(n + max_new, self.cfg.max_model_len) // self.block_size)
         if need > self.cache_cfg.num_blocks:
-            return Rejection("too_long", f"prompt ({n}) plus max_tokens ({params.max_tokens}) needs {need} "
+            return Rejection("too_long", f"prompt ({n}) plus max_tokens ({max_new}) needs {need} "
                                          f"KV blocks; the pool has {self.cache_cfg.num_blocks}")
         why = self.waiting.refusal(n)
         if why == "queue_full":
@@ -130,6 +131,10 @@ class Scheduler:
             return Rejection(why, f"{self.waiting.num_tokens} tokens waiting; {n} more would pass the "
                                   f"limit of {self.waiting.max_tokens}")
         return None
+
+    def _max_new_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        """``max_tokens``, or the rest of the context where the request left it open."""
+        return params.max_tokens if params.max_tokens is not None else self.cfg.max_model_len - num_prompt
 
     def abort(self, req_id: str, now: float) -> Update | None:
         """Stop a request (client gone). Its blocks and slot are freed now, or -- when it is in the step

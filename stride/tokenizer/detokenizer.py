@@ -73,9 +73,16 @@ class IncrementalDetokenizer:
         self._pending = bytearray()
 
     def push(self, token_ids: Iterable[int]) -> str:
-        """Text completed by ``token_ids`` (possibly empty: an unfinished character is held back)."""
+        """Text completed by ``token_ids`` (possibly empty: an unfinished character is held back). An id past the
+        tokenizer's table (a model whose vocabulary is padded past its tokenizer's) stands for no text, as in HF
+        ``decode``; a negative id is a ``ValueError``."""
+        table = self._token_bytes
+        size = len(table)
         for token_id in token_ids:
-            self._pending += self._token_bytes[token_id]
+            if token_id < size:
+                if token_id < 0:
+                    raise ValueError(f"negative token id {token_id}")
+                self._pending += table[token_id]
         cut = complete_prefix_length(self._pending)
         text = self._pending[:cut].decode("utf-8", errors="replace")
         del self._pending[:cut]

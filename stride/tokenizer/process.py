@@ -1,10 +1,13 @@
 """The tokenizer-pool process: chat template + tokenization on the way in, detokenization and stop strings
 on the way out.
 
-Tokenizer ``i`` pulls at ``IpcConfig.tokenizer_address(i)``: :class:`GenerateRequest` from the frontend,
-:class:`StepOutputs` from the scheduler (for the requests it tokenized, since their detokenizer state lives
-here), :class:`ReleaseRequest`. It pushes :class:`TokenizedRequest` / :class:`AbortRequest` to the scheduler
-and :class:`TextDelta` / :class:`RequestFailed` to the frontend.
+Tokenizer ``i`` pulls at ``IpcConfig.tokenizer_address(i)``: :class:`GenerateRequest` and
+:class:`AbortRequest` from the frontend, :class:`StepOutputs` from the scheduler (for the requests it tokenized,
+since their detokenizer state lives here), :class:`ReleaseRequest`. It pushes :class:`TokenizedRequest` /
+:class:`AbortRequest` to the scheduler and :class:`TextDelta` / :class:`RequestFailed` to the frontend.
+
+A fault while handling one request (a template that fails to render, a token the detokenizer cannot take) fails
+that request alone: the frontend gets a :class:`RequestFailed`, the scheduler an abort, and the process goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import zmq
 from stride.config import StrideConfig
 from stride.ipc import messages as m
 from stride.ipc.queues import PullQueue, PushQueue
+from stride.params import CONTEXT_LENGTH_EXCEEDED, context_overflow
 from stride.tokenizer.detokenizer import token_bytes_table
 from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.tokenizer.stop import OutputText
@@ -50,19 +54,20 @@ class TokenizerWorker:
     # -------------------------------------------------------------- in
 
     def on_generate(self, req: m.GenerateRequest) -> m.TokenizedRequest | m.RequestFailed:
+        """The request tokenized for the scheduler, or its refusal for the frontend. Token-id prompts were
+        checked against the vocabulary by the frontend, which knows the model's."""
         try:
             ids = self._prompt_ids(req)
         except (TemplateError, ValueError) as e:
             return m.RequestFailed(req.req_id, 400, str(e), "invalid_prompt")
-        limit = self.config.scheduler.max_model_len
+        except Exception as e:  # a tokenizer or template bug fails this request, not the process
+            log.exception("tokenizer %d: request %s failed", self.index, req.req_id)
+            return m.RequestFailed(req.req_id, 500, f"internal error: {type(e).__name__}", "internal_error")
         if not ids:
             return m.RequestFailed(req.req_id, 400, "the prompt is empty", "invalid_prompt")
-        if len(ids) >= limit:
-            return m.RequestFailed(req.req_id, 400, f"the prompt has {len(ids)} tokens; this model's context "
-                                   f"is {limit} tokens, including the output", "context_length_exceeded")
-        vocab = self.tok.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            return m.RequestFailed(req.req_id, 400, f"prompt token ids must be in [0, {vocab})", "invalid_prompt")
+        why = context_overflow(len(ids), req.params.max_tokens, self.config.scheduler.max_model_len)
+        if why is not None:
+            return m.RequestFailed(req.req_id, 400, why, CONTEXT_LENGTH_EXCEEDED)
         self.pending[req.req_id] = _Pending(OutputText.create(self.token_bytes, req.params.stop), req.params)
         return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class)
 
@@ -89,26 +94,38 @@ class TokenizerWorker:
                 del self.pending[out.req_id]
                 deltas.append(m.RequestFailed(out.req_id, 500, out.error, "internal_error"))
                 continue
-            text, stopped = p.output.push(out.token_ids)
-            finish = out.finish_reason
-            if stopped:
-                finish = "stop"
+            try:
+                self._on_output(out, p, deltas, aborts)
+            except Exception as e:  # this request's output cannot be turned into text: it alone fails
+                log.exception("tokenizer %d: output of %s failed", self.index, out.req_id)
+                self.pending.pop(out.req_id, None)
+                deltas.append(m.RequestFailed(out.req_id, 500, f"internal error: {type(e).__name__}: {e}",
+                                              "internal_error"))
                 if out.finish_reason is None:
-                    aborts.append(m.AbortRequest(out.req_id, reason="stop"))
-            elif finish is not None:
-                tail, stopped_at_end = p.output.finish()
-                text += tail
-                finish = "stop" if stopped_at_end else finish
-            if finish == "abort":
-                del self.pending[out.req_id]
-                continue
-            p.num_output_tokens += len(out.token_ids)
-            deltas.append(m.TextDelta(
-                out.req_id, text, list(out.token_ids), finish, out.num_prompt_tokens, out.num_cached_tokens,
-                p.num_output_tokens, self._logprobs(out) if p.params.logprobs is not None else None))
-            if finish is not None:
-                del self.pending[out.req_id]
+                    aborts.append(m.AbortRequest(out.req_id, reason="error"))
         return deltas, aborts
+
+    def _on_output(self, out: m.TokenOutput, p: _Pending, deltas: list[m.TextDelta | m.RequestFailed],
+                   aborts: list[m.AbortRequest]) -> None:
+        text, stopped = p.output.push(out.token_ids)
+        finish = out.finish_reason
+        if stopped:
+            finish = "stop"
+            if out.finish_reason is None:
+                aborts.append(m.AbortRequest(out.req_id, reason="stop"))
+        elif finish is not None:
+            tail, stopped_at_end = p.output.finish()
+            text += tail
+            finish = "stop" if stopped_at_end else finish
+        if finish == "abort":
+            del self.pending[out.req_id]
+            return
+        p.num_output_tokens += len(out.token_ids)
+        deltas.append(m.TextDelta(
+            out.req_id, text, list(out.token_ids), finish, out.num_prompt_tokens, out.num_cached_tokens,
+            p.num_output_tokens, self._logprobs(out) if p.params.logprobs is not None else None))
+        if finish is not None:
+            del self.pending[out.req_id]
 
     def _logprobs(self, out: m.TokenOutput) -> list[dict[str, Any]] | None:
         if out.logprobs is None:
@@ -117,14 +134,29 @@ class TokenizerWorker:
         for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=False)):
             top = out.top_logprobs[i] if out.top_logprobs is not None and i < len(out.top_logprobs) else []
             entries.append({
-                "token": self._token_text[tok], "logprob": lp, "bytes": list(self.token_bytes[tok]),
-                "top_logprobs": [{"token": self._token_text[int(t)], "logprob": float(v),
-                                  "bytes": list(self.token_bytes[int(t)])} for t, v in top],
+                "token": self._text_of(tok), "logprob": lp, "bytes": list(self._bytes_of(tok)),
+                "top_logprobs": [{"token": self._text_of(int(t)), "logprob": float(v),
+                                  "bytes": list(self._bytes_of(int(t)))} for t, v in top],
             })
         return entries
 
+    def _bytes_of(self, token_id: int) -> bytes:
+        """As the detokenizer reads a token: an id past the tokenizer's table stands for no text."""
+        if token_id < 0:
+            raise ValueError(f"negative token id {token_id}")
+        return self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
+
+    def _text_of(self, token_id: int) -> str:
+        return self._token_text[token_id] if 0 <= token_id < len(self._token_text) else ""
+
     def on_release(self, msg: m.ReleaseRequest) -> None:
         self.pending.pop(msg.req_id, None)
+
+    def on_abort(self, msg: m.AbortRequest) -> m.AbortRequest:
+        """The client is gone: forget the request, and pass the abort on to the scheduler (which ignores it if
+        the request never reached it: refused here, or already finished)."""
+        self.pending.pop(msg.req_id, None)
+        return msg
 
 
 def run(config: StrideConfig, index: int) -> int:
@@ -152,6 +184,8 @@ def run(config: StrideConfig, index: int) -> int:
                     to_sched.put(a)
                 for d in deltas:
                     to_front.put(d)
+            elif isinstance(msg, m.AbortRequest):
+                to_sched.put(worker.on_abort(msg))
             elif isinstance(msg, m.ReleaseRequest):
                 worker.on_release(msg)
         return 0

@@ -3,12 +3,17 @@
 Rank 0 pulls :class:`StepDescriptor` at ``worker_address``, reads the step's arrays from shared memory,
 runs the forward (or the simulated backend), samples, writes ``sampled_ids`` / logprobs into the
 step-output arrays and answers :class:`StepDone`. It makes no decisions.
+
+A sequence whose own state cannot be set up (its sampling parameters) fails alone: its row samples nothing and
+``StepDone.failed`` names it. A fault in the step as a whole (the forward, the batched sampler) is a device or
+model fault: the step's error ends the launch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +25,17 @@ from stride.ipc.layouts import MAX_TOP_LOGPROBS, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _History:
+    """A penalised sequence's tokens, collected from the step inputs until it first samples."""
+
+    params: Any
+    prompt_len: int
+    req_id: str
+    prompt: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
 
 
 def _needs_history(params: Any) -> bool:
@@ -46,32 +62,34 @@ class ModelStepper:
                                device=str(self.runner.device), seed=config.worker.seed)
         # Penalised sequences see their prompt and earlier output only as the step inputs flow past;
         # they join the sampler when they first sample.
-        self._history: dict[int, tuple[Any, int, list[int], list[int]]] = {}
+        self._history: dict[int, _History] = {}
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> None:
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
+        """Run one step; returns the sequences that failed alone (their rows sample nothing)."""
         for slot in desc.finished_slots:
-            self._history.pop(slot, None)
-            if self.sampler.params(slot) is not None:
-                self.sampler.remove(slot)
+            self._drop(slot)
+        failed: dict[int, m.SequenceFailure] = {}
         for new in desc.new_seqs:
             if _needs_history(new.params):
-                self._history[new.slot] = (new.params, new.prompt_len, [], [])
+                self._history[new.slot] = _History(new.params, new.prompt_len, new.req_id)
             else:
-                self.sampler.add_sequence(new.slot, new.params, ())
+                self._join(new.slot, new.req_id, failed, new.params, ())
         n, t = desc.num_seqs, desc.num_tokens
         if self._history:
             self._collect(buf, n)
         logits = self.runner.step(buf, t, n)
         flags = buf.sample_flags[:n].astype(bool)
-        rows = np.flatnonzero(flags)
         buf.sampled_ids[:n] = -1
-        if len(rows) == 0:
-            return
-        slots = buf.seq_slots[:n][rows].tolist()
-        for slot in slots:
+        for slot in buf.seq_slots[:n][flags].tolist():
             if slot in self._history:
-                params, _, prompt, output = self._history.pop(slot)
-                self.sampler.add_sequence(slot, params, prompt, output)
+                hist = self._history.pop(slot)
+                self._join(slot, hist.req_id, failed, hist.params, hist.prompt, hist.output)
+        if failed:
+            flags &= ~np.isin(buf.seq_slots[:n], list(failed))
+        rows = np.flatnonzero(flags)
+        if len(rows) == 0:
+            return list(failed.values())
+        slots = buf.seq_slots[:n][rows].tolist()
         res = self.sampler.sample(logits[rows], slots)
         buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
         if res.logprobs is not None:
@@ -80,6 +98,22 @@ class ModelStepper:
             k = min(res.top_ids.shape[1], MAX_TOP_LOGPROBS)
             buf.top_ids[rows, :k] = res.top_ids[:, :k].cpu().numpy()
             buf.top_logprobs[rows, :k] = res.top_logprobs[:, :k].cpu().numpy()
+        return list(failed.values())
+
+    def _join(self, slot: int, req_id: str, failed: dict[int, m.SequenceFailure], params: Any,
+              prompt: Any, output: Any = ()) -> None:
+        """Give a sequence its sampler state; a sequence whose state cannot be made fails alone."""
+        try:
+            self.sampler.add_sequence(slot, params, prompt, output)
+        except Exception as e:
+            log.exception("slot %d (%s): sampler state failed", slot, req_id)
+            self._drop(slot)
+            failed[slot] = m.SequenceFailure(req_id, f"{type(e).__name__}: {e}")
+
+    def _drop(self, slot: int) -> None:
+        self._history.pop(slot, None)
+        if self.sampler.params(slot) is not None:
+            self.sampler.remove(slot)
 
     def _collect(self, buf: StepBuffers, n: int) -> None:
         starts = np.concatenate([[0], np.cumsum(buf.query_lens[:n])])
@@ -87,10 +121,9 @@ class ModelStepper:
             hist = self._history.get(slot)
             if hist is None:
                 continue
-            _, prompt_len, prompt, output = hist
             for tok, pos in zip(buf.token_ids[starts[i]:starts[i + 1]].tolist(),
                                 buf.positions[starts[i]:starts[i + 1]].tolist(), strict=True):
-                (prompt if pos < prompt_len else output).append(tok)
+                (hist.prompt if pos < hist.prompt_len else hist.output).append(tok)
 
 
 class SimStepper:
@@ -109,9 +142,10 @@ class SimStepper:
         self.backend = SimBackend(config.scheduler.max_num_seqs, self.vocab_size,
                                   eos_token_ids=eos_token_ids, step_time=cost.step_time)
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> None:
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
         time.sleep(seconds)  # the modelled step takes its time, so the stack sees realistic latencies
+        return []
 
 
 def run(config: StrideConfig, rank: int = 0, eos_token_ids: list[int] | None = None, vocab_size: int = 0) -> int:
@@ -141,12 +175,12 @@ def run(config: StrideConfig, rank: int = 0, eos_token_ids: list[int] | None = N
             if buf is None:  # the launcher makes the segments after this rank reported ready
                 buf = StepBuffers.attach(config.ipc, layout)
             try:
-                stepper.run(msg, buf)
+                failed = stepper.run(msg, buf)
             except Exception as e:  # the scheduler fails the requests and the launcher shuts down
                 log.exception("step %d failed", msg.step)
                 to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
                 raise
-            to_sched.put(m.StepDone(msg.step))
+            to_sched.put(m.StepDone(msg.step, failed=failed))
     except Exception as e:
         log.exception("worker rank %d failed", rank)
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))
