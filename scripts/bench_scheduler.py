@@ -16,7 +16,7 @@ from stride.config import CacheConfig, SchedulerConfig
 from stride.params import SamplingParams
 from stride.sched.plan import StepArrays
 from stride.sched.scheduler import Scheduler
-from stride.workers.sim_backend import SimBackend
+from stride.sim.backend import SimBackend
 
 
 def bench(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:

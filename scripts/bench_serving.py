@@ -4,7 +4,7 @@
 import argparse
 import sys
 
-from stride import bench
+from stride.client import bench
 
 
 def run() -> int:

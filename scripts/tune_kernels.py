@@ -30,8 +30,8 @@ import torch
 
 from kernels import autotune as at
 from kernels import autotune_specs as specs
-from stride.model_files import default_model_path, is_gguf
-from stride.workers.models.args import ModelArgs
+from stride.model.args import ModelArgs
+from stride.model.files import default_model_path, is_gguf
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 W4A16_GROUP = 32  # W4A16Linear's group size (GGUF Q4 blocks)

@@ -1,5 +1,5 @@
 import sys
 
-from stride.cli import main
+from stride.launch.cli import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ from stride.params import SamplingParams
 from stride.sched.plan import StepArrays, StepPlan, UpdateBatch
 from stride.sched.scheduler import Scheduler
 from stride.sched.trace import TraceWriter
-from stride.workers.sim_backend import SimBackend
+from stride.sim.backend import SimBackend
 
 EOS = 2
 VOCAB = 1000

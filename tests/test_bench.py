@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from stride import bench
+from stride.client import bench
 
 
 class FakeServer:

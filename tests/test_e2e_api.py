@@ -19,7 +19,7 @@ import pytest
 import torch
 from e2e_helpers import StrideServer
 
-from stride.model_files import default_model_path
+from stride.model.files import default_model_path
 from stride.tokenizer.detokenizer import token_bytes_table
 from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.tokenizer.template import ChatTemplate

@@ -26,7 +26,7 @@ import torch
 from e2e_helpers import Dealer, StrideServer
 
 from stride.client import Client
-from stride.client_common import BadRequestError
+from stride.client.common import BadRequestError
 from stride.ipc.codec import encode
 from stride.ipc.messages import ClientGenerate
 
@@ -48,7 +48,7 @@ def server() -> Iterator[StrideServer]:
 
 @pytest.fixture(scope="module")
 def vocab(server: StrideServer) -> int:
-    from stride.model_files import default_model_path
+    from stride.model.files import default_model_path
     from stride.tokenizer.loader import load_tokenizer
     return load_tokenizer(default_model_path()).vocab_size
 

@@ -1,4 +1,4 @@
-"""`stride plan`: JSON keys, exit status on refusal, human output in GiB/KiB, routing through stride.cli."""
+"""`stride plan`: JSON keys, exit status on refusal, human output in GiB/KiB, routing through stride.launch.cli."""
 
 from __future__ import annotations
 

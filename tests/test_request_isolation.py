@@ -138,7 +138,7 @@ def test_a_sequence_whose_sampler_state_fails_is_reported_alone(penalised: bool)
 
 @pytest.fixture(scope="module")
 def tokenizer_worker() -> Any:
-    from stride.model_files import default_model_path
+    from stride.model.files import default_model_path
     from stride.tokenizer.loader import load_tokenizer
     from stride.tokenizer.process import TokenizerWorker
 

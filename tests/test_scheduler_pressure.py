@@ -5,8 +5,8 @@ from __future__ import annotations
 from scheduler_helpers import make, params, prompt, step
 
 from stride.config import CacheConfig, SchedulerConfig, ServiceClass
-from stride.sched.simulate import run_simulation
-from stride.sched.workload import Workload, generate
+from stride.sim.simulate import run_simulation
+from stride.sim.workload import Workload, generate
 
 
 def _overload(prefix_caching: bool) -> tuple[dict[str, list[int]], object, object]:

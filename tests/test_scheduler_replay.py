@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from scheduler_helpers import EOS, make, params, prompt, step
 
-from stride import cli
+from stride.launch import cli
 from stride.sched.replay import replay_records
 from stride.sched.trace import TraceWriter, load_trace
 

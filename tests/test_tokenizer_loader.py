@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stride.tokenizer.loader import ModelTokenizer, load_tokenizer, read_gguf_metadata
+from stride.model.gguf import read_gguf_metadata
+from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.workers.loader import default_model_path
 
 TRICKY = [

@@ -185,8 +185,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
 def test_enforce_eager_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import argparse
 
-    from stride.launcher import add_arguments, config_from_args
-    from stride.model_files import default_model_path
+    from stride.launch.launcher import add_arguments, config_from_args
+    from stride.model.files import default_model_path
 
     try:  # the sim backend borrows the default model's tokenizer for a catalog model
         default_model_path()

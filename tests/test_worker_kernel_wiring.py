@@ -25,10 +25,10 @@ from kernels.paged_attention import DecodeConfig, ExtendConfig
 from kernels.rmsnorm import RMSNormConfig
 from kernels.silu_mul import SiluMulConfig
 from kernels.w4a16 import W4A16Config, random_weight
+from stride.model.args import ModelArgs, RopeScaling
 from stride.workers import kernel_configs
 from stride.workers.attention import TorchPagedAttention
 from stride.workers.models import layers
-from stride.workers.models.args import ModelArgs, RopeScaling
 from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,7 +306,7 @@ def test_cpu_without_a_gpu_name_loads_nothing(tmp_path: Path, monkeypatch: pytes
 def test_tune_script_shapes_for_the_default_model(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("gguf")
     script = runpy.run_path(str(ROOT / "scripts" / "tune_kernels.py"), run_name="tune_kernels")
-    from stride.model_files import default_model_path
+    from stride.model.files import default_model_path
 
     try:
         path = default_model_path()

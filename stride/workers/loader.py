@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from stride import env
-from stride.model_files import default_model_path, is_gguf
+from stride.model.files import default_model_path, is_gguf
 from stride.workers.models import ModelArgs, Transformer, build_model
 from stride.workers.models.layers import W4A16Linear
 

@@ -133,7 +133,7 @@ class SimStepper:
         from stride.planner.cost import StepCostModel
         from stride.planner.geometry import load_geometry
         from stride.planner.hardware import get_gpu
-        from stride.workers.sim_backend import SimBackend
+        from stride.sim.backend import SimBackend
 
         geometry = load_geometry(config.worker.model)
         cost = StepCostModel(geometry, get_gpu(config.worker.gpu), tp=config.worker.tensor_parallel_size)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from stride.model.args import ModelArgs, RopeScaling
 from stride.workers.models import llama, mixtral
-from stride.workers.models.args import ModelArgs, RopeScaling
 from stride.workers.models.llama import Transformer
 
 _FAMILIES = {"llama": llama.build, "mixtral": mixtral.build}

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stride.model.args import ModelArgs
 from stride.workers.attention import AttentionContext
-from stride.workers.models.args import ModelArgs
 from stride.workers.models.layers import (
     ColumnParallelLinear,
     Embedding,

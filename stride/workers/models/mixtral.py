@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stride.workers.models.args import ModelArgs
+from stride.model.args import ModelArgs
 from stride.workers.models.layers import GatedMLP
 from stride.workers.models.llama import Transformer
 

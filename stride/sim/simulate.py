@@ -20,8 +20,8 @@ import numpy as np
 from stride.config import CacheConfig, SchedulerConfig
 from stride.sched.plan import StepArrays
 from stride.sched.scheduler import Scheduler
-from stride.sched.workload import Arrival, Workload, generate, parse_class_mix
-from stride.workers.sim_backend import SimBackend, StepTimeFn, linear_step_time
+from stride.sim.backend import SimBackend, StepTimeFn, linear_step_time
+from stride.sim.workload import Arrival, Workload, generate, parse_class_mix
 
 
 @dataclass

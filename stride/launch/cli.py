@@ -12,11 +12,11 @@ from stride import env
 
 # subcommand → (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("stride.launcher", "serve a model over the OpenAI API (what scripts/launch.sh runs)"),
+    "serve": ("stride.launch.launcher", "serve a model over the OpenAI API (what scripts/launch.sh runs)"),
     "plan": ("stride.planner.cli", "capacity plan: will this model fit on these GPUs, and how much KV cache"),
-    "simulate": ("stride.sched.simulate", "run a synthetic workload through the scheduler in logical time"),
+    "simulate": ("stride.sim.simulate", "run a synthetic workload through the scheduler in logical time"),
     "replay": ("stride.sched.replay", "replay a recorded scheduler trace and report the first divergence"),
-    "bench": ("stride.bench", "load-test an OpenAI-compatible endpoint"),
+    "bench": ("stride.client.bench", "load-test an OpenAI-compatible endpoint"),
 }
 
 

@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from stride.model.gguf import read_gguf_metadata
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -28,8 +30,6 @@ def model_context_length(path: str) -> int:
     """The context length the model was trained for (GGUF ``*.context_length`` or HF
     ``max_position_embeddings``); 0 when the files do not say."""
     if is_gguf(path):
-        from stride.tokenizer.loader import read_gguf_metadata
-
         meta = read_gguf_metadata(path)
         arch = meta.get("general.architecture", "llama")
         return int(meta.get(f"{arch}.context_length", 0))

@@ -5,7 +5,7 @@ segment and removing the runtime directory, also after a crash.
 Start order: the step buffers (this process owns them), then the rank worker and the tokenizer pool
 (they load in parallel; the worker reports how many KV blocks it sized on a GPU), then the scheduler
 (which needs that number and the end-of-sequence ids), then the frontend. Children are plain
-subprocesses (``python -m stride.launcher --child ROLE INDEX``) that read their configuration as one line of
+subprocesses (``python -m stride.launch.launcher --child ROLE INDEX``) that read their configuration as one line of
 JSON on stdin: nothing is pickled.
 
 No child outlives the launcher. Its end of each child's stdin stays open for the launch's life, and nothing more
@@ -39,7 +39,7 @@ from stride.ipc.layouts import StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.ipc.rundir import make_ipc_config, remove_run_dir, sweep_stale_launches, write_owner
 from stride.ipc.shm import remove_launch_segments
-from stride.model_files import default_model_path, model_context_length
+from stride.model.files import default_model_path, model_context_length
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Launch:
 
     def _spawn(self, role: str, index: int, config: StrideConfig, extra: dict[str, Any] | None = None) -> None:
         payload = orjson.dumps({"config": config.to_dict(), "extra": extra or {}})
-        proc = subprocess.Popen([sys.executable, "-m", "stride.launcher", "--child", role, str(index)],
+        proc = subprocess.Popen([sys.executable, "-m", "stride.launch.launcher", "--child", role, str(index)],
                                 stdin=subprocess.PIPE, start_new_session=False)
         assert proc.stdin is not None
         proc.stdin.write(payload + b"\n")
@@ -376,4 +376,4 @@ def child_main(role: str, index: int) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         sys.exit(child_main(sys.argv[2], int(sys.argv[3])))
-    sys.exit("usage: python -m stride.launcher --child ROLE INDEX (use `stride serve` to launch)")
+    sys.exit("usage: python -m stride.launch.launcher --child ROLE INDEX (use `stride serve` to launch)")

@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from stride.client_common import (
+from stride.client.common import (
     CLOSED_STATUS,
     TIMEOUT_STATUS,
     Assembler,
