@@ -7,23 +7,45 @@ with the block tables recomputed, the index with the cached and live sets -- so 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
+from stride.sched.block_pool import EvictableLRU, FreeList, LiveSet
 from stride.sched.prefix_hash import chain_hashes
+from stride.sched.prefix_index import PrefixIndex
 
-if TYPE_CHECKING:
-    from stride.sched.block_manager import BlockManager
+
+@dataclass(frozen=True)
+class BlockState:
+    """Everything the block manager keeps, as the checks read it: references to its structures, not copies
+    (:meth:`BlockManager.state` builds it), so a count that drifts in the manager drifts here too."""
+
+    num_blocks: int
+    block_size: int
+    free: FreeList
+    cached: EvictableLRU
+    live: LiveSet
+    ref: np.ndarray
+    """Ref count per block."""
+    index: PrefixIndex
+    block_tables: np.ndarray
+    seeds: list[bytes | None]
+    """Per slot: the tenant seed of its chain, None for an empty slot."""
+    tokens: np.ndarray
+    num_tokens: np.ndarray
+    num_table_blocks: np.ndarray
+    num_hashed: np.ndarray
+    last_hash: list[bytes]
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(f"block manager invariant: {msg}")
 
 
-def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
+def check_invariants(bm: BlockState, *, deep: bool = False) -> None:
     n = bm.num_blocks
-    free, cached, live = bm._free, bm._cached, bm._live
+    free, cached, live = bm.free, bm.cached, bm.live
 
     # 1. Each count against the size of the structure that owns it, then the partition identity.
     for name, struct in (("free", free), ("cached", cached), ("live", live)):
@@ -53,17 +75,17 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
     # 3. Block tables: rows of empty slots are -1, occupied rows hold exactly their blocks, then -1.
     tables = bm.block_tables
     row_blocks = np.zeros(tables.shape[0], dtype=np.int64)
-    for slot, seed in enumerate(bm._seed):
-        num_tokens, num_blocks = int(bm._num_tokens[slot]), int(bm._num_table_blocks[slot])
+    for slot, seed in enumerate(bm.seeds):
+        num_tokens, num_blocks = int(bm.num_tokens[slot]), int(bm.num_table_blocks[slot])
         if seed is None:
-            if num_tokens or num_blocks or bm._num_hashed[slot]:
+            if num_tokens or num_blocks or bm.num_hashed[slot]:
                 _fail(f"empty slot {slot} has {num_tokens} tokens, {num_blocks} blocks")
             continue
         want = -(-num_tokens // bm.block_size)
         if num_tokens == 0 or num_blocks != want:
             _fail(f"slot {slot} has {num_blocks} blocks for {num_tokens} tokens (want {want})")
-        if bm._num_hashed[slot] > num_tokens // bm.block_size:
-            _fail(f"slot {slot} claims {bm._num_hashed[slot]} addressed blocks of {num_tokens} tokens")
+        if bm.num_hashed[slot] > num_tokens // bm.block_size:
+            _fail(f"slot {slot} claims {bm.num_hashed[slot]} addressed blocks of {num_tokens} tokens")
         row_blocks[slot] = num_blocks
         row = tables[slot, :num_blocks].tolist()
         if len(set(row)) != len(row):
@@ -78,7 +100,7 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
 
     # 4. Ref counts recomputed from the tables; live <=> referenced.
     counts = np.bincount(entries, minlength=n)
-    ref = np.asarray(bm._ref)
+    ref = np.asarray(bm.ref)
     wrong = np.nonzero(counts != ref)[0]
     if wrong.size:
         b = int(wrong[0])
@@ -88,7 +110,7 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
         _fail(f"block {b} is {'live' if is_live[b] else 'not live'} with {counts[b]} references")
 
     # 5. Index <=> cached/live: every indexed block is live or cached, every cached block is indexed.
-    index, block_hashes = bm._prefix._by_address, bm._prefix._address_of
+    index, block_hashes = bm.index.by_address(), bm.index.addresses()
     hashed = np.fromiter((h is not None for h in block_hashes), dtype=bool, count=n)
     indexed_ids = np.fromiter(index.values(), dtype=np.int64, count=len(index))
     if indexed_ids.size and (indexed_ids.min() < 0 or indexed_ids.max() >= n):
@@ -107,25 +129,25 @@ def check_invariants(bm: BlockManager, *, deep: bool = False) -> None:
     if (is_cached & ~hashed).any():
         _fail(f"cached block {int(np.nonzero(is_cached & ~hashed)[0][0])} is not indexed")
     # The mask free() reads to split freed blocks into cached and free must agree with the addresses.
-    if (bm._prefix.indexed != hashed).any():
-        _fail(f"block {int(np.nonzero(bm._prefix.indexed != hashed)[0][0])}: the index's mask disagrees "
+    if (bm.index.indexed != hashed).any():
+        _fail(f"block {int(np.nonzero(bm.index.indexed != hashed)[0][0])}: the index's mask disagrees "
               "with its addresses")
 
     if deep:
         _check_addresses(bm)
 
 
-def _check_addresses(bm: BlockManager) -> None:
+def _check_addresses(bm: BlockState) -> None:
     """Every address a running sequence knows, recomputed from its tokens."""
-    for slot, seed in enumerate(bm._seed):
+    for slot, seed in enumerate(bm.seeds):
         if seed is None:
             continue
-        num_hashed = int(bm._num_hashed[slot])
-        want = chain_hashes(seed, bm._tokens[slot], bm.block_size, num_hashed)
-        if (want[-1] if want else seed) != bm._last_hash[slot]:
+        num_hashed = int(bm.num_hashed[slot])
+        want = chain_hashes(seed, bm.tokens[slot], bm.block_size, num_hashed)
+        if (want[-1] if want else seed) != bm.last_hash[slot]:
             _fail(f"slot {slot}: chain address after {num_hashed} blocks disagrees with its tokens")
         row = bm.block_tables[slot, :num_hashed].tolist()
         for i, (b, h) in enumerate(zip(row, want, strict=True)):
-            known = bm._prefix.address(b)
+            known = bm.index.address(b)
             if known is not None and known != h:
                 _fail(f"slot {slot} block {i} (physical {b}) is indexed under another prefix's address")

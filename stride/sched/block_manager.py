@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stride.sched.block_invariants import check_invariants
+from stride.sched.block_invariants import BlockState, check_invariants
 from stride.sched.block_pool import BlockStats, EvictableLRU, FreeList, LiveSet, NoFreeBlocksError
-from stride.sched.prefix_hash import BLANK_HASHER, TOKEN_DTYPE, ChainMemo, as_token_array, chain_from, tenant_seed
+from stride.sched.prefix_hash import TOKEN_DTYPE, ChainMemo, as_token_array, block_hash, chain_from, tenant_seed
 from stride.sched.prefix_index import PrefixIndex
 
 __all__ = ["BlockManager", "BlockStats", "NoFreeBlocksError"]
@@ -188,12 +188,9 @@ class BlockManager:
             blocks = self.block_tables[one_slots, one_first].tolist()
             self._num_hashed[one_slots] = one_first + 1
             step, last_hash = self.block_size * TOKEN_DTYPE.itemsize, self._last_hash
-            blank = BLANK_HASHER.copy
             hashes: list[bytes] = []
             for slot, i in zip(one_slots.tolist(), range(0, len(data), step), strict=True):
-                hasher = blank()
-                hasher.update(last_hash[slot] + data[i:i + step])
-                last_hash[slot] = h = hasher.digest()
+                last_hash[slot] = h = block_hash(last_hash[slot], data[i:i + step])
                 hashes.append(h)
             self._prefix.add_many(blocks, hashes)
         for slot, n in zip(rest_slots, rest_nums, strict=True):
@@ -336,10 +333,16 @@ class BlockManager:
                           hit_tokens=self._hit_tokens, query_tokens=self._query_tokens,
                           num_evictions=self._num_evictions)
 
+    def state(self) -> BlockState:
+        """What the invariant checks read: references to every structure this manager keeps."""
+        return BlockState(self.num_blocks, self.block_size, self._free, self._cached, self._live, self._ref,
+                          self._prefix, self.block_tables, self._seed, self._tokens, self._num_tokens,
+                          self._num_table_blocks, self._num_hashed, self._last_hash)
+
     def assert_invariants(self, *, deep: bool = False) -> None:
         """Raise ``AssertionError`` naming the first disagreement between counts, structures, ref counts,
         block tables and the index. ``deep`` also recomputes every known address from the tokens (slow)."""
-        check_invariants(self, deep=deep)
+        check_invariants(self.state(), deep=deep)
 
     # ---- internals --------------------------------------------------------------------------------
     def _occupied(self, slot: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stride.sched.prefix_hash import BLANK_HASHER, TOKEN_DTYPE
+from stride.sched.prefix_hash import TOKEN_DTYPE, block_hash
 
 
 class PrefixIndex:
@@ -29,6 +29,14 @@ class PrefixIndex:
     def address(self, block_id: int) -> bytes | None:
         return self._address_of[block_id]
 
+    def by_address(self) -> dict[bytes, int]:
+        """The map address -> block itself (read it, do not change it: for the invariant checks)."""
+        return self._by_address
+
+    def addresses(self) -> list[bytes | None]:
+        """The address of each block, None where it has none (read only, likewise)."""
+        return self._address_of
+
     def match(self, seed: bytes, tokens: np.ndarray, block_size: int,
               known: list[bytes]) -> tuple[list[int], bytes, list[bytes]]:
         """The longest chain of indexed blocks holding ``tokens``' leading full blocks, never the block of
@@ -48,9 +56,7 @@ class PrefixIndex:
         hits = found  # type: ignore[assignment]  # no None
         h = hashes[-1] if hashes else seed
         for i in range(len(hashes), num_candidates):
-            hasher = BLANK_HASHER.copy()
-            hasher.update(h + data[i * step:(i + 1) * step])
-            nh = hasher.digest()
+            nh = block_hash(h, data[i * step:(i + 1) * step])
             hashes.append(nh)
             b = by_address.get(nh)
             if b is None:

@@ -17,7 +17,6 @@ manager's per-slot calls. Nothing here reads the wall clock.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +27,7 @@ from stride.sched.block_manager import BlockManager
 from stride.sched.plan import Rejection, StepArraysLike, StepPlan, Update, UpdateBatch
 from stride.sched.queue import WaitingQueue
 from stride.sched.request import Request, RequestStatus
+from stride.sched.slots import SlotTable
 from stride.sched.stats import SchedulerCounters, SchedulerMetrics
 from stride.sched.step_builder import build_step
 from stride.sched.trace import TraceWriter
@@ -54,31 +54,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
         self._trace = trace
-        num_slots = sched_cfg.max_num_seqs
-        self._slot_req: list[Request | None] = [None] * num_slots
-        self._slot_reqs = np.full(num_slots, None, dtype=object)  # the same, for vector gathers
-        self._slot_req_id: list[str] = [""] * num_slots
-        self._free_slots = list(range(num_slots))  # a heap: lowest slot first, so runs are deterministic
-        # Freed since the last plan: the next descriptor names them so the worker drops their state
-        # before it sees any new sequence in a reused slot.
-        self._freed_slots: list[int] = []
-        # Per-slot state of running sequences (authoritative while a request runs).
-        self._running = np.zeros(num_slots, dtype=bool)
-        self._in_step = np.zeros(num_slots, dtype=bool)
-        self._num_tokens = np.zeros(num_slots, dtype=np.int64)
-        self._num_computed = np.zeros(num_slots, dtype=np.int64)
-        self._num_alloc = np.zeros(num_slots, dtype=np.int64)  # tokens recorded in the block manager
-        self._last_token = np.zeros(num_slots, dtype=np.int64)
-        self._deadline = np.zeros(num_slots, dtype=np.float64)
-        self._seq_no = np.zeros(num_slots, dtype=np.int64)
-        self._max_len = np.zeros(num_slots, dtype=np.int64)
-        self._itl = np.zeros(num_slots, dtype=np.float64)
-        self._stop_on_eos = np.zeros(num_slots, dtype=bool)
-        self._has_stop_ids = np.zeros(num_slots, dtype=bool)
-        self._aborted = np.zeros(num_slots, dtype=bool)  # aborted while in flight: freed at update
-        self._has_first = np.zeros(num_slots, dtype=bool)  # first_token_time is set
-        self._num_prompt = np.zeros(num_slots, dtype=np.int64)
-        self._num_cached = np.zeros(num_slots, dtype=np.int64)
+        self.slots = SlotTable(sched_cfg.max_num_seqs)
         self._inflight: StepPlan | None = None
         self._step = 0
         self._seq_counter = 0
@@ -150,10 +126,10 @@ class Scheduler:
         if req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
             self._finish(req, "abort")
-        elif not self._in_step[req.slot]:
+        elif not self.slots.in_step[req.slot]:
             self._finish(req, "abort")
         else:
-            self._aborted[req.slot] = True
+            self.slots.aborted[req.slot] = True
         return Update(req_id, [], "abort", req.num_prompt_tokens, req.num_cached_tokens)
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -166,17 +142,12 @@ class Scheduler:
         self.counters.num_finished += 1
 
     def _drop_slot(self, req: Request) -> None:
-        slot = req.slot
-        self._running[slot] = False
-        self._aborted[slot] = False
-        self._slot_req[slot] = None
-        self._slot_reqs[slot] = None
-        self._freed_slots.append(slot)
-        heapq.heappush(self._free_slots, slot)
+        self.slots.release(req.slot)
         req.slot = -1
 
-    def _preempt(self, slot: int, plan_preempted: list[str]) -> None:
-        req = self._slot_req[slot]
+    def preempt(self, slot: int, plan_preempted: list[str]) -> None:
+        """Release the sequence in ``slot`` (its full blocks stay cached), keep its tokens, and queue it again."""
+        req = self.slots.req[slot]
         assert req is not None
         self.bm.release(slot)
         self._drop_slot(req)
@@ -186,10 +157,9 @@ class Scheduler:
         plan_preempted.append(req.req_id)
         self.waiting.push(req)
 
-    def _admit(self, req: Request, slot: int) -> int:
+    def admit(self, req: Request, slot: int) -> int:
         """Give ``req`` a slot and blocks for all its tokens; returns tokens served by the prefix cache."""
-        tokens = req.token_ids
-        num_cached = self.bm.allocate(slot, req.tenant, tokens)
+        num_cached = self.bm.allocate(slot, req.tenant, req.token_ids)
         if req.num_preemptions:
             self.counters.num_resumptions += 1
         else:
@@ -197,23 +167,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.slot = slot
         req.num_computed_tokens = num_cached
-        self._slot_req[slot] = req
-        self._slot_reqs[slot] = req
-        self._slot_req_id[slot] = req.req_id
-        self._has_first[slot] = req.first_token_time is not None
-        self._num_prompt[slot] = req.num_prompt_tokens
-        self._num_cached[slot] = req.num_cached_tokens
-        self._running[slot] = True
-        self._num_tokens[slot] = len(tokens)
-        self._num_computed[slot] = num_cached
-        self._num_alloc[slot] = len(tokens)
-        self._last_token[slot] = tokens[-1]
-        self._deadline[slot] = req.deadline
-        self._seq_no[slot] = req.seq_no
-        self._max_len[slot] = req.max_len
-        self._itl[slot] = req.service_class.itl_ms / 1000.0
-        self._stop_on_eos[slot] = not req.params.ignore_eos
-        self._has_stop_ids[slot] = bool(req.params.stop_token_ids)
+        self.slots.bind(slot, req, num_cached)
         return num_cached
 
     # ------------------------------------------------------------------ one step
@@ -227,7 +181,7 @@ class Scheduler:
         if plan.num_seqs:
             self._step += 1
             self._inflight = plan
-            self._in_step[plan.slots] = True
+            self.slots.in_step[plan.slots] = True
         if self.cache_cfg.check_invariants:
             self.bm.assert_invariants()
         if self._trace is not None:
@@ -247,38 +201,38 @@ class Scheduler:
         self._inflight = None
         n = plan.num_seqs
         slots = plan.slots
-        self._in_step[slots] = False
+        self.slots.in_step[slots] = False
         sampled = np.asarray(sampled_ids[:n], dtype=np.int64)
         if self._trace is not None:
             self._trace.write("update", now, step=plan.step,
                               sampled=np.where(plan.sample_flags, sampled, -1).tolist())
-        rows = np.flatnonzero(plan.sample_flags & ~self._aborted[slots])  # no token for an aborted one
+        rows = np.flatnonzero(plan.sample_flags & ~self.slots.aborted[slots])  # no token for an aborted one
         s_slots = slots[rows]
         toks = sampled[rows]
-        new_len = self._num_tokens[s_slots] + 1
-        self._num_tokens[s_slots] = new_len
-        self._last_token[s_slots] = toks
-        deadlines = now + self._itl[s_slots]
-        self._deadline[s_slots] = deadlines
-        num_computed = self._num_computed[s_slots]
+        new_len = self.slots.num_tokens[s_slots] + 1
+        self.slots.num_tokens[s_slots] = new_len
+        self.slots.last_token[s_slots] = toks
+        deadlines = now + self.slots.itl[s_slots]
+        self.slots.deadline[s_slots] = deadlines
+        num_computed = self.slots.num_computed[s_slots]
         # 0 = runs on, 1 = stop (EOS), 2 = length; stop token ids are checked per request below.
-        verdict = np.where(new_len >= self._max_len[s_slots], 2, 0)
+        verdict = np.where(new_len >= self.slots.max_len[s_slots], 2, 0)
         if len(self._eos):
-            verdict[np.isin(toks, self._eos) & self._stop_on_eos[s_slots]] = 1
-        verdict[self._has_stop_ids[s_slots] & (verdict != 1)] = -1
+            verdict[np.isin(toks, self._eos) & self.slots.stop_on_eos[s_slots]] = 1
+        verdict[self.slots.has_stop_ids[s_slots] & (verdict != 1)] = -1
 
         # The Request objects stay exact. One lean loop of attribute writes (no branch, no object made per
         # row; everything else is vectorised above or limited to the few rows that need it below).
-        reqs: list[Request] = self._slot_reqs[s_slots].tolist()
+        reqs: list[Request] = self.slots.reqs[s_slots].tolist()
         tok_list: list[int] = toks.tolist()
         for req, tok, dl, nc in zip(reqs, tok_list, deadlines.tolist(), num_computed.tolist(), strict=True):
             req.output_token_ids.append(tok)
             req.last_token_time = now
             req.deadline = dl
             req.num_computed_tokens = nc
-        first = np.flatnonzero(~self._has_first[s_slots])
+        first = np.flatnonzero(~self.slots.has_first[s_slots])
         if first.size:
-            self._has_first[s_slots[first]] = True
+            self.slots.has_first[s_slots[first]] = True
             for i in first.tolist():
                 reqs[i].first_token_time = now
         for i in np.flatnonzero(verdict == -1).tolist():
@@ -288,15 +242,15 @@ class Scheduler:
 
         req_ids = plan.req_ids
         batch = UpdateBatch(req_ids=list(req_ids) if len(rows) == n else [req_ids[i] for i in rows.tolist()],
-                            rows=rows, token_ids=toks, num_prompt_tokens=self._num_prompt[s_slots],
-                            num_cached_tokens=self._num_cached[s_slots])
+                            rows=rows, token_ids=toks, num_prompt_tokens=self.slots.num_prompt[s_slots],
+                            num_cached_tokens=self.slots.num_cached[s_slots])
         for i in np.flatnonzero(verdict).tolist():  # in row order, as a replay expects
             req = reqs[i]
             reason = "stop" if verdict[i] == 1 else "length"
             batch.finished[req.req_id] = reason
             self._finish(req, reason)
-        for slot in slots[self._aborted[slots]].tolist():  # aborted in flight: free now the workers are done
-            req = self._slot_req[slot]
+        for slot in slots[self.slots.aborted[slots]].tolist():  # aborted in flight: free now the workers are done
+            req = self.slots.req[slot]
             assert req is not None
             self._finish(req, "abort")
         return batch
@@ -305,7 +259,14 @@ class Scheduler:
 
     def metrics(self) -> SchedulerMetrics:
         """A snapshot of the counters the scheduler process exports."""
-        return SchedulerMetrics.collect(self)
+        c, b = self.counters, self.bm.stats
+        return SchedulerMetrics(
+            num_running_seqs=self.num_running, num_waiting_seqs=len(self.waiting),
+            num_waiting_tokens=self.waiting.num_tokens, num_blocks_live=b.num_live,
+            num_blocks_cached=b.num_cached, num_blocks_free=b.num_free, num_preemptions=c.num_preemptions,
+            num_resumptions=c.num_resumptions, num_finished=c.num_finished, num_aborted=c.num_aborted,
+            num_rejections=sum(c.rejections.values()), prefix_hit_tokens=b.hit_tokens,
+            prefix_query_tokens=b.query_tokens, num_evictions=b.num_evictions, num_steps=self.step)
 
     @property
     def step(self) -> int:
@@ -314,7 +275,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return int(self._running.sum())
+        return int(self.slots.running.sum())
 
     def has_work(self) -> bool:
-        return bool(self._running.any()) or len(self.waiting) > 0
+        return bool(self.slots.running.any()) or len(self.waiting) > 0

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from stride.ipc import messages
-
-if TYPE_CHECKING:
-    from stride.sched.scheduler import Scheduler
 
 
 @dataclass
@@ -47,18 +43,6 @@ class SchedulerMetrics:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-    @staticmethod
-    def collect(sched: Scheduler) -> SchedulerMetrics:
-        c = sched.counters
-        b = sched.bm.stats
-        return SchedulerMetrics(
-            num_running_seqs=sched.num_running, num_waiting_seqs=len(sched.waiting),
-            num_waiting_tokens=sched.waiting.num_tokens, num_blocks_live=b.num_live,
-            num_blocks_cached=b.num_cached, num_blocks_free=b.num_free, num_preemptions=c.num_preemptions,
-            num_resumptions=c.num_resumptions, num_finished=c.num_finished, num_aborted=c.num_aborted,
-            num_rejections=sum(c.rejections.values()), prefix_hit_tokens=b.hit_tokens,
-            prefix_query_tokens=b.query_tokens, num_evictions=b.num_evictions, num_steps=sched.step)
 
     def to_message(self) -> messages.SchedulerStats:
         """The gauges the frontend exports on ``/metrics``."""

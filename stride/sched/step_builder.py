@@ -1,70 +1,88 @@
 """The body of :meth:`Scheduler.schedule`: decodes, preemption, running prefills, admission.
 
-Split from ``scheduler.py`` to keep each file to one job; it works on the scheduler's per-slot arrays
-directly (it is that class's step, not a separate component).
+It reads and advances the scheduler's :class:`~stride.sched.slots.SlotTable` and asks the scheduler, through
+the :class:`StepHost` interface, to admit or preempt; it never reaches into the scheduler's own fields.
 """
 
 from __future__ import annotations
 
-import heapq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from stride.config import SchedulerConfig
 from stride.ipc.messages import NewSequence
-from stride.sched.plan import StepPlan
+from stride.sched.block_manager import BlockManager
+from stride.sched.plan import StepArraysLike, StepPlan
+from stride.sched.queue import WaitingQueue
+from stride.sched.request import Request
+from stride.sched.slots import SlotTable
 
-if TYPE_CHECKING:
-    from stride.sched.request import Request
-    from stride.sched.scheduler import Scheduler
+
+class StepHost(Protocol):
+    """What a step is built from: the scheduler, as the step builder sees it."""
+
+    cfg: SchedulerConfig
+    buffers: StepArraysLike
+    bm: BlockManager
+    waiting: WaitingQueue
+    slots: SlotTable
+    block_size: int
+
+    @property
+    def step(self) -> int: ...
+
+    def admit(self, req: Request, slot: int) -> int: ...
+
+    def preempt(self, slot: int, plan_preempted: list[str]) -> None: ...
 
 
-def _by_slack(sched: Scheduler, slots: np.ndarray) -> np.ndarray:
+def _by_slack(sched: StepHost, slots: np.ndarray) -> np.ndarray:
     """``slots`` ordered least slack first (earliest deadline; ties by arrival)."""
-    return slots[np.lexsort((sched._seq_no[slots], sched._deadline[slots]))]
+    return slots[np.lexsort((sched.slots.seq_no[slots], sched.slots.deadline[slots]))]
 
 
-def _pick_victim(sched: Scheduler, scheduled: np.ndarray) -> int:
+def _pick_victim(sched: StepHost, scheduled: np.ndarray) -> int:
     """The running sequence with the most slack among those not yet scheduled in this step (latest
     arrival on ties, so the oldest work is kept)."""
-    cand = np.flatnonzero(sched._running & ~scheduled)
-    deadlines = sched._deadline[cand]
+    cand = np.flatnonzero(sched.slots.running & ~scheduled)
+    deadlines = sched.slots.deadline[cand]
     cand = cand[deadlines == deadlines.max()]
-    return int(cand[np.argmax(sched._seq_no[cand])])
+    return int(cand[np.argmax(sched.slots.seq_no[cand])])
 
 
-def _decodes(sched: Scheduler, budget: int, preempted: list[str]) -> np.ndarray:
+def _decodes(sched: StepHost, budget: int, preempted: list[str]) -> np.ndarray:
     """Slots that run their one remaining token this step, with room appended for it. Preempts (most
     slack first) when the pool cannot give every decode its block."""
     bm = sched.bm
-    running = np.flatnonzero(sched._running)
-    dec = running[sched._num_tokens[running] - sched._num_computed[running] == 1]
+    running = np.flatnonzero(sched.slots.running)
+    dec = running[sched.slots.num_tokens[running] - sched.slots.num_computed[running] == 1]
     over_budget = len(dec) > budget
-    need = sched._num_alloc[dec] < sched._num_tokens[dec]
-    num_new_blocks = int(np.count_nonzero(sched._num_alloc[dec][need] % sched.block_size == 0))
+    need = sched.slots.num_alloc[dec] < sched.slots.num_tokens[dec]
+    num_new_blocks = int(np.count_nonzero(sched.slots.num_alloc[dec][need] % sched.block_size == 0))
     if not over_budget and num_new_blocks <= bm.num_available_blocks:
         appending = dec[need]
-        bm.append_many(appending, sched._last_token[appending])
-        sched._num_alloc[appending] += 1
+        bm.append_many(appending, sched.slots.last_token[appending])
+        sched.slots.num_alloc[appending] += 1
         return dec
     # Slow path: least slack first; under pressure the most-slack unscheduled sequence gives way.
-    scheduled = np.zeros(len(sched._running), dtype=bool)
+    scheduled = np.zeros(len(sched.slots.running), dtype=bool)
     kept: list[int] = []
     for slot in _by_slack(sched, dec).tolist():
         if len(kept) == budget:
             break
-        if not sched._running[slot]:
+        if not sched.slots.running[slot]:
             continue  # preempted as a victim earlier in this loop
-        if sched._num_alloc[slot] < sched._num_tokens[slot]:
+        if sched.slots.num_alloc[slot] < sched.slots.num_tokens[slot]:
             while not bm.can_append(slot):
                 victim = _pick_victim(sched, scheduled)
-                sched._preempt(victim, preempted)
+                sched.preempt(victim, preempted)
                 if victim == slot:
                     break
-            if not sched._running[slot]:
+            if not sched.slots.running[slot]:
                 continue
-            bm.append(slot, int(sched._last_token[slot]))
-            sched._num_alloc[slot] += 1
+            bm.append(slot, int(sched.slots.last_token[slot]))
+            sched.slots.num_alloc[slot] += 1
         kept.append(slot)
         scheduled[slot] = True
     return np.array(kept, dtype=np.int64)
@@ -77,7 +95,7 @@ def _tokens(req: Request, start: int, stop: int) -> list[int]:
     return req.token_ids[start:stop]
 
 
-def build_step(sched: Scheduler, now: float) -> StepPlan:
+def build_step(sched: StepHost, now: float) -> StepPlan:
     cfg = sched.cfg
     buf = sched.buffers
     bm = sched.bm
@@ -87,14 +105,14 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
     # 1. Decodes, vectorised: token = the last sampled one, at position = tokens computed so far.
     dec = _decodes(sched, budget, preempted)
     n = len(dec)
-    pos = sched._num_computed[dec]
-    buf.token_ids[:n] = sched._last_token[dec]
+    pos = sched.slots.num_computed[dec]
+    buf.token_ids[:n] = sched.slots.last_token[dec]
     buf.positions[:n] = pos
     buf.seq_slots[:n] = dec
     buf.query_lens[:n] = 1
     buf.context_lens[:n] = pos + 1
     buf.sample_flags[:n] = 1
-    sched._num_computed[dec] = pos + 1
+    sched.slots.num_computed[dec] = pos + 1
     bm.mark_computed_many(dec, pos + 1)  # indexes the blocks that just filled
     budget -= n
 
@@ -107,8 +125,8 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
 
     def run_chunk(slot: int, req: Request) -> None:
         nonlocal budget, offset
-        start = int(sched._num_computed[slot])
-        total = int(sched._num_tokens[slot])
+        start = int(sched.slots.num_computed[slot])
+        total = int(sched.slots.num_tokens[slot])
         chunk = min(budget, total - start)
         end = start + chunk
         buf.token_ids[offset:offset + chunk] = _tokens(req, start, end)
@@ -122,7 +140,7 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
         qlens.append(chunk)
         starts.append(start)
         samples.append(end == total)
-        sched._num_computed[slot] = end
+        sched.slots.num_computed[slot] = end
         req.num_computed_tokens = end
         bm.mark_computed(slot, end)
         offset += chunk
@@ -130,12 +148,12 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
 
     # 2. Running prefills continue (they already hold their blocks), least slack first.
     if budget > 0:
-        running = np.flatnonzero(sched._running)
-        pre = running[sched._num_tokens[running] - sched._num_computed[running] > 1]
+        running = np.flatnonzero(sched.slots.running)
+        pre = running[sched.slots.num_tokens[running] - sched.slots.num_computed[running] > 1]
         for slot in _by_slack(sched, pre).tolist():
             if budget == 0:
                 break
-            req = sched._slot_req[slot]
+            req = sched.slots.req[slot]
             assert req is not None
             run_chunk(slot, req)
 
@@ -143,25 +161,25 @@ def build_step(sched: Scheduler, now: float) -> StepPlan:
     # requests overtake would starve long prompts. No admission in a step that had to preempt: the pool
     # is short, and the victim would come straight back on its own cached blocks.
     waiting = sched.waiting
-    while budget > 0 and sched._free_slots and not preempted:
+    while budget > 0 and sched.slots.free and not preempted:
         head = waiting.peek()
         if head is None or not bm.can_allocate(head.tenant, head.token_ids):
             break
         waiting.pop()
-        slot = heapq.heappop(sched._free_slots)
-        sched._admit(head, slot)
+        slot = sched.slots.claim()
+        sched.admit(head, slot)
         new_seqs.append(NewSequence(slot, head.req_id, head.params, head.num_prompt_tokens))
         run_chunk(slot, head)
 
     all_slots = np.concatenate([dec, np.array(slots, dtype=np.int64)]).astype(np.int32)
     if len(all_slots) == 0:
-        return StepPlan(sched._step, [], all_slots, all_slots.copy(), all_slots.copy(),
+        return StepPlan(sched.step, [], all_slots, all_slots.copy(), all_slots.copy(),
                         np.zeros(0, dtype=bool), preempted_ids=preempted)
-    slot_ids = sched._slot_req_id
+    slot_ids = sched.slots.req_id
     req_ids = [slot_ids[s] for s in all_slots.tolist()]
-    finished, sched._freed_slots = sched._freed_slots, []
+    finished = sched.slots.take_freed()
     return StepPlan(
-        step=sched._step,
+        step=sched.step,
         req_ids=req_ids,
         slots=all_slots,
         query_lens=np.concatenate([np.ones(n, dtype=np.int32), np.array(qlens, dtype=np.int32)]),
