@@ -1,13 +1,7 @@
-"""Triton kernels for the GPU worker, each beside a plain-PyTorch reference.
+"""Triton kernels for the GPU worker, each beside a plain-PyTorch reference. A leaf: nothing here imports
+``stride``; launchers take what they need as arguments.
 
-Without CUDA, Triton runs kernels only through its interpreter, and it decides that when a kernel is
-defined (at import). So importing this package on a machine without CUDA turns the interpreter on,
-unless ``TRITON_INTERPRET`` is already set: CPU tests then run the very same kernels on CPU tensors.
+Importing this package does nothing by itself. Without CUDA, Triton runs kernels only through its interpreter, and
+it decides that when it is first imported, from ``TRITON_INTERPRET``: whoever runs these kernels on a CPU sets it
+first (the worker when it picks the triton backend there, the test suite's ``conftest.py``).
 """
-
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -33,8 +33,6 @@ from typing import Any
 import torch
 from triton.runtime.errors import OutOfResources
 
-from stride import env
-
 Problem = dict[str, Any]
 Output = torch.Tensor | tuple[torch.Tensor, ...]
 Timer = Callable[[Callable[[], object]], float]
@@ -234,8 +232,6 @@ def _run_cycling(cand: Candidate, problems: Sequence[Problem], counter: itertool
     return cand.run(problems[next(counter) % len(problems)])
 
 
-def default_cache_path() -> Path:
-    return Path(env.AUTOTUNE_CACHE.get() or Path.home() / ".cache" / "stride" / "autotune.json")
 
 
 def gpu_name(device: torch.device) -> str:
@@ -249,8 +245,8 @@ class AutotuneCache:
 
     VERSION = 1
 
-    def __init__(self, path: Path | str | None = None) -> None:
-        self.path = Path(path) if path is not None else default_cache_path()
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
         self.entries: dict[str, dict[str, Any]] = {}
         if self.path.exists():
             data = json.loads(self.path.read_text())

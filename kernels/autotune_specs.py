@@ -11,8 +11,10 @@ from kernels import paged_attention as pa
 from kernels import rmsnorm as rn
 from kernels import silu_mul as sm
 from kernels import w4a16 as wq
-from kernels._util import next_pow2
+from kernels import w4a16_format as w4f
+from kernels import w4a16_policy as w4p
 from kernels.autotune import Candidate, KernelSpec, Problem
+from kernels.sizes import next_pow2
 
 # ---- paged decode attention ----
 
@@ -178,19 +180,19 @@ class GemmShape:
 
 def _gemm_problem(shape: GemmShape, gen: torch.Generator, device: torch.device) -> Problem:
     return {"x": _randn((shape.m, shape.k), shape.dtype, gen, device),
-            "w": wq.random_weight(shape.n, shape.k, shape.group_size, device=device, seed=_seed(gen))}
+            "w": w4f.random_weight(shape.n, shape.k, shape.group_size, device=device, seed=_seed(gen))}
 
 
-def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
+def _gemm_space(shape: GemmShape) -> list[w4p.W4A16Config]:
     """Tensor-core tiles from M=2 up; the GEMV (1, 2 or 4 rows per program, FMA dot products) up to M=8."""
     # Tiles: rows in blocks of 16 up to M=16, of 64 (and 128 above M=64) beyond, as in the launcher's default.
-    # Tile steps are whole pieces (wq.piece: the group, or 32 of it); the GEMV bounds below count pieces per step.
+    # Tile steps are whole pieces (w4p.piece: the group, or 32 of it); the GEMV bounds below count pieces per step.
     tall = (64, 128) if shape.m > 64 else (64,)
-    piece = wq.piece(shape.group_size)
-    tiles = [wq.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
+    piece = w4p.piece(shape.group_size)
+    tiles = [w4p.W4A16Config(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=st)
              for bn in (64, 128) for bk in (piece, 2 * piece) for sk in (1, 2, 4, 8)
              for st in (3, 4) if shape.k // (sk * bk) >= 2] if 2 <= shape.m <= 16 else [
-        wq.W4A16Config(block_m=bm, block_n=bn, block_k=piece, split_k=sk, num_warps=w, num_stages=3)
+        w4p.W4A16Config(block_m=bm, block_n=bn, block_k=piece, split_k=sk, num_warps=w, num_stages=3)
         for bm in tall for bn in (64, 128) for sk in (1, 2, 4, 8) for w in (4, 8)
         if shape.k // (sk * piece) >= 2]
     tiles = tiles if shape.group_size >= 16 else []
@@ -198,7 +200,7 @@ def _gemm_space(shape: GemmShape) -> list[wq.W4A16Config]:
     # and at 32 or fewer over the rows of a program (each row keeps two float32 accumulators per word). Several
     # rows per program with 32 columns only (the H200 sweep's choice at every shape). One row both orders of a
     # step's loads (scales_first).
-    gemv = [wq.W4A16Config(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True,
+    gemv = [w4p.W4A16Config(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=w, num_stages=3, gemv=True,
                            scales_first=first)
             for bm in (1, 2, 4) for bn in (16, 32, 64) for bk in (256, 512, 1024, 2048, 4096) for sk in (1, 2, 4)
             for w in (4, 8) for first in ((False, True) if bm == 1 else (False,))
@@ -215,10 +217,10 @@ def _gemm_gate_shapes(shape: GemmShape) -> list[GemmShape]:
 
 
 W4A16 = KernelSpec(
-    name="w4a16", config_type=wq.W4A16Config, space=_gemm_space, gate_shapes=_gemm_gate_shapes,
+    name="w4a16", config_type=w4p.W4A16Config, space=_gemm_space, gate_shapes=_gemm_gate_shapes,
     make_problem=_gemm_problem, run=lambda cfg, p: wq.w4a16_matmul(p["x"], p["w"], cfg, dequant=False),
-    reference=lambda p: wq.w4a16_reference(p["x"], p["w"]),
-    cost=lambda cfg, s: float(wq.workspace_bytes(s.m, s.n, cfg)),
+    reference=lambda p: w4f.w4a16_reference(p["x"], p["w"]),
+    cost=lambda cfg, s: float(w4p.workspace_bytes(s.m, s.n, cfg)),
     bucket=lambda s: f"m{next_pow2(s.m)}-n{s.n}-k{s.k}-g{s.group_size}-{str(s.dtype)[6:]}",
 )
 
@@ -306,11 +308,11 @@ def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
     return Candidate("broken:block_table_stride", run, cfg)
 
 
-def broken_dropped_scale(cfg: wq.W4A16Config | None = None) -> Candidate:
+def broken_dropped_scale(cfg: w4p.W4A16Config | None = None) -> Candidate:
     """W4A16 that forgets the per-group scale (codes + mins only)."""
     def run(p: Problem) -> torch.Tensor:
         w = p["w"]
-        return wq.w4a16_matmul(p["x"], wq.W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins,
+        return wq.w4a16_matmul(p["x"], w4f.W4A16Weight(w.qweight, torch.ones_like(w.scales), w.mins,
                                                       w.group_size), cfg, dequant=False)
     return Candidate("broken:dropped_scale", run, cfg)
 

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, dot, dot_args, next_pow2, pdl_args, pdl_wait
+from kernels.common import check_float, dot, dot_args, pdl_args, pdl_wait
+from kernels.sizes import next_pow2
 
 _LOG2E = 1.4426950408889634
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, next_pow2, pdl_args, pdl_wait
+from kernels.common import check_float, pdl_args, pdl_wait
+from kernels.sizes import next_pow2
 
 
 @dataclass(frozen=True)

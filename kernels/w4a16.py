@@ -1,22 +1,5 @@
-"""W4A16 GEMM: ``y = x @ W.T`` with 4-bit weights, per-group scales and mins, 16-bit activations.
-
-Packed layout (:class:`W4A16Weight`) of a weight W of shape (N, K) (nn.Linear's (out, in)):
-    qweight: int32 (ceil(N / 32), K // 8, 32), column tiles of :data:`TILE_N` = 32. Word [t, kk, c] holds the
-             codes of column n = 32*t + c for k = 8*kk + j, j = 0..7, in bits 4j..4j+3 (j = 0 in the low
-             nibble). Codes are unsigned, 0..15; columns past N (the last tile's padding) hold zeros.
-    scales:  (K // group_size, N), float16/bfloat16/float32.
-    mins:    (K // group_size, N), same dtype as scales.
-    W[n, k] = code[k, n] * scales[k // group_size, n] + mins[k // group_size, n]
-Packing along K gives one word per output column per 8 inputs, and a row of a tile (32 columns' words for the
-same 8 inputs) is one coalesced 128-byte load. A tile is contiguous: a program of the GEMV, which takes 32 columns
-over a K range, reads one contiguous stretch of memory. (Rows of words across all of N, the layout before, left each
-program 128-byte pieces N * 4 bytes apart: the GEMV was 4% slower for a Llama-3.1-8B layer on an H200, the short
-projections 5-10%, docs/perf.md.) GGUF Q4_1 maps directly (scale d, min m); Q4_0 is ``d * (q - 8)``, i.e.
-min = -8d. :func:`words_to_tiles` and :func:`tiles_to_words` convert between the tiles and the (K // 8, N) matrix
-of words.
-group_size is a power of two of at least 8 (whole words; the kernels' tiles are powers of two): GGUF's blocks
-are 32 (:func:`from_gguf_q4`); a 16-bit checkpoint quantised at load (:func:`quantize`) takes 128 by default, the
-GPTQ/AWQ size (0.53 bytes per weight with fp16 scales and mins, against 0.625 at 32).
+"""W4A16 GEMM kernels: ``y = x @ W.T`` with W in the 4-bit format of :mod:`kernels.w4a16_format` and 16-bit
+activations, a GEMV for decode rows and tensor-core tiles above, each with its launcher.
 
 From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
 W once into a per-device scratch matrix of x's dtype and multiplies that with cuBLAS: there the product is bound
@@ -30,155 +13,16 @@ the codes stay exact.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_float, check_last_contiguous, dot, dot_args, next_pow2, pdl_args, pdl_release, pdl_wait
-from stride.config import is_w4a16_group_size
+from kernels.common import check_float, check_last_contiguous, dot, dot_args, pdl_args, pdl_release, pdl_wait
+from kernels.w4a16_format import TILE_N, W4A16Weight, check_weight
+from kernels.w4a16_policy import W4A16Config, default_config, expands, k_split, piece
 
-
-@dataclass(frozen=True)
-class W4A16Weight:
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor
-    group_size: int
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1] * 8
-
-    @property
-    def out_features(self) -> int:
-        return self.scales.shape[1]
-
-
-TILE_N = 32
-"""Columns per tile of the packed words (:class:`W4A16Weight`)."""
 _TILE = tl.constexpr(TILE_N)
-
-
-def words_to_tiles(words: torch.Tensor) -> torch.Tensor:
-    """(K // 8, N) int32 words -> the tiled qweight (ceil(N / 32), K // 8, 32), the last tile padded with zeros."""
-    kw, n = words.shape
-    tiles = triton.cdiv(n, TILE_N)
-    if n % TILE_N:
-        words = torch.cat([words, words.new_zeros(kw, tiles * TILE_N - n)], dim=1)
-    return words.reshape(kw, tiles, TILE_N).permute(1, 0, 2).contiguous()
-
-
-def tiles_to_words(qweight: torch.Tensor, n: int) -> torch.Tensor:
-    """The tiled qweight -> its (K // 8, N) matrix of words (a copy), N the weight's columns."""
-    tiles, kw, _ = qweight.shape
-    return qweight.permute(1, 0, 2).reshape(kw, tiles * TILE_N)[:, :n].contiguous()
-
-
-@dataclass(frozen=True)
-class W4A16Config:
-    """gemv: FMA dot products over block_m (1, 2 or 4) activation rows per program (decode); else tensor-core
-    tiles of block_m rows.
-
-    block_k: inputs per step, whole groups (the tiles take one dot per group, so a step unrolls groups).
-    split_k > 1 splits K over programs; the last program of each output tile to finish sums the float32
-    partials (an arrival counter per tile), so a call is always a single launch.
-    scales_first (one-row GEMV): a step loads its groups' scales and mins before its words, not after. Only the
-    order of the loads changes, and with it where ptxas places them: on an H200 scales first was 6% faster for
-    Llama-3.1-8B's down (K split 4 ways) and 7% slower for gate_up (docs/perf.md).
-    """
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    gemv: bool = False
-    scales_first: bool = False
-
-
-DEQUANT_MIN_ROWS = 17
-"""Rows from which :func:`w4a16_matmul` expands W into a scratch matrix and calls cuBLAS. H200, Llama-3.1-8B
-layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (230 vs 273 us), from 32 the expansion (273 vs 317;
-1,421 vs 7,543 us at 2,048 rows)."""
-
-TILE_MIN_PROGRAMS = 128
-"""Below :data:`DEQUANT_MIN_ROWS`, rows on the tile kernel (by default 9-16, past the GEMV) are still expanded
-when it would run fewer programs than this: each program walks its K range one 32-input group at a time, so a grid
-that does not fill the GPU is bound by that chain. H200 (docs/perf.md), 16 rows: SmolLM2-135M's projections
-(5-24 programs) took 21-31 us on the tiles against 5.4-6.8 us expanded; Llama-3.1-8B's (256-448 programs) were
-faster on the tiles."""
-
-
-def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
-    """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above, in row blocks of 16, 64 or 128. From
-    H200 sweeps at Llama-3.1-8B shapes (docs/perf.md).
-
-    One row: with 512 or more column tiles (gate_up) the K loop steps 2,048 inputs at a time over 8 warps;
-    with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,
-    K split into pieces of at most 4,096 (fewer dependent round trips per program pays more than split-K's
-    extra programs), a split K loading each step's scales first (:class:`W4A16Config`). Two rows: two per
-    program in 2,048-input steps over 4 warps, K split below 512 column tiles in two, or in four where K is over
-    8,192 (down: 18.1 against 19.2 us split in two over 8 warps); but with 128 or fewer column tiles and
-    K in one step (o) a program per row was faster. Three to eight rows: four per program in 1,024-input steps
-    over 4 warps, K split in two below 512 column tiles up to 4 rows (at 8 rows there are programs enough
-    without). Except, at any row count up to 8, where fewer than 128 column tiles and K of at most 4,096
-    (SmolLM2-135M's projections: 18-96 tiles) would leave most SMs idle: there a program per row, as at one
-    row, and its single step loads its weights before the PDL wait (H200, the SmolLM2-shaped worker's decode
-    step: 4 rows 1.04 -> 0.57 ms, 8 rows 1.10 -> 0.77)."""
-    if m <= 8 or group_size < 16:  # a tile's dot needs 16 inputs per group
-        block_n = 32
-        col_tiles = triton.cdiv(n, block_n)
-        # (m > 8 reaches here only with groups too small for the tiles: one row per program, as before.)
-        # One row per program where the column tiles alone, fewer than 128, would leave most SMs idle (SmolLM2's
-        # projections), and at two rows also with 128 of them and K in one step (Llama-3.1-8B's o).
-        few_tiles = k <= 4096 and (col_tiles < 128 or (m == 2 and col_tiles == 128))
-        if m == 1 or few_tiles or m > 8:
-            block_m = 1
-            if col_tiles >= 512:
-                split_k, step, warps = 1, 2048, 8
-            else:
-                split_k = triton.cdiv(k, 4096)
-                step, warps = 4096 if split_k == 1 else 2048, 8
-        elif m == 2:
-            block_m, step, warps = 2, 2048, 4
-            split_k = 1 if col_tiles >= 512 else (4 if k > 8192 else 2)
-        else:
-            block_m, step, warps = 4, 1024, 4
-            split_k = 1 if col_tiles >= 512 or m > 4 else 2
-        groups = min(max(1, step // group_size), next_pow2(triton.cdiv(k, split_k * group_size)))
-        return W4A16Config(block_m=block_m, block_n=block_n, block_k=groups * group_size, split_k=split_k,
-                           num_warps=warps, num_stages=3, gemv=True, scales_first=block_m == 1 and split_k > 1)
-    # Tiles. The codes are expanded once per row block, so a taller block spreads that work over more rows. Up to 16
-    # rows, one 16 x 128 block, K split up to 8 ways while there are at most 1,024 programs and each split keeps 512
-    # inputs (H200 sweep at M=16). From 17 rows, blocks of 64, then 128 rows (H200 sweeps at M = 32, 64, 128: a
-    # 64-row block takes about as long for 32 rows as for 64, and at M=64 it is 2.2-2.5x faster than four blocks of
-    # 16). 64 columns over 8 warps where 128-column tiles would be fewer than 128 and K is short (qkv, o); else 128
-    # (gate_up; down, whose long K then splits 8 ways). Fewer than 128 tiles: K split while each split keeps at
-    # least 1,024 inputs, up to 8 ways. (From DEQUANT_MIN_ROWS rows w4a16_matmul expands W instead, unless the
-    # 4-bit kernel is asked for: the autotuner, benchmarks, tests.)
-    if m <= 16:
-        tiles = triton.cdiv(n, 128) * triton.cdiv(m, 16)
-        split_k = 1
-        while split_k < 8 and tiles * split_k * 2 <= 1024 and k // (split_k * 2) >= 512:
-            split_k *= 2
-        return W4A16Config(block_m=16, block_n=128, block_k=piece(group_size), split_k=split_k, num_warps=4,
-                           num_stages=3)
-    block_m = 64 if m <= 64 else 128
-    tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_m)
-    if block_m == 64 and tiles < 128 and k <= 8192:
-        block_n, warps = 64, 8
-        tiles *= 2
-    else:
-        block_n, warps = 128, 4 if block_m == 64 else 8
-    split_k = 1
-    while tiles < 128 and split_k < 8 and k // (split_k * 2) >= 1024:
-        split_k *= 2
-    return W4A16Config(block_m=block_m, block_n=block_n, block_k=piece(group_size), split_k=split_k, num_warps=warps,
-                       num_stages=3)
 
 
 # Powers of two for the GEMV (see the kernel): nibble p of a word, read in place as a float, is the subnormal
@@ -545,29 +389,6 @@ def dequantize_into(w: W4A16Weight, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def piece(group_size: int) -> int:
-    """Inputs the kernels take per scaling step: the group, or 32 of it for larger groups (the kernel's PIECE; the
-    pieces of a group share its scale and min)."""
-    return min(group_size, 32)
-
-
-def check_weight(w: W4A16Weight) -> None:
-    k, n = w.in_features, w.out_features
-    assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous(), "qweight must be contiguous int32"
-    assert w.qweight.dim() == 3 and w.qweight.shape[0] == triton.cdiv(n, TILE_N) and w.qweight.shape[2] == TILE_N, (
-        f"qweight must be (ceil(N / {TILE_N}), K // 8, {TILE_N}) for N={n}, got {tuple(w.qweight.shape)}")
-    assert is_w4a16_group_size(w.group_size) and k % w.group_size == 0, f"bad group_size {w.group_size} for K={k}"
-    for name, t in (("scales", w.scales), ("mins", w.mins)):
-        assert t.shape == (k // w.group_size, n), f"{name} must be (K/group, N), got {tuple(t.shape)}"
-        check_float(name, t)
-        assert t.is_contiguous(), f"{name} must be contiguous"
-    assert w.mins.dtype == w.scales.dtype
-
-
-def workspace_bytes(m: int, n: int, cfg: W4A16Config) -> int:
-    """Float32 split-K partials."""
-    return cfg.split_k * m * n * 4 if cfg.split_k > 1 else 0
-
 
 def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = None,
                  dequant: bool | None = None) -> torch.Tensor:
@@ -590,7 +411,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     n = w.out_features
     cfg = config or default_config(m, n, k, w.group_size)
     if dequant is None:
-        dequant = m >= DEQUANT_MIN_ROWS or (not cfg.gemv and _tile_programs(m, n, k, cfg) < TILE_MIN_PROGRAMS)
+        dequant = expands(m, n, k, cfg)
     if dequant:
         wt = dequantize_into(w, _scratch(x.device, x.dtype, k * n)[: k * n].view(k, n))
         return x @ wt
@@ -606,7 +427,7 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     else:
         assert cfg.block_k % piece(w.group_size) == 0, (
             f"block_k {cfg.block_k} is not whole pieces of {piece(w.group_size)} (group {w.group_size})")
-    k_per_split, split_k = _k_split(k, cfg)
+    k_per_split, split_k = k_split(k, cfg)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     num_m, num_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     grid = (num_m, num_n, split_k) if cfg.gemv else (num_n, num_m, split_k)
@@ -630,113 +451,3 @@ def w4a16_matmul(x: torch.Tensor, w: W4A16Weight, config: W4A16Config | None = N
     )
     return out
 
-
-def _k_split(k: int, cfg: W4A16Config) -> tuple[int, int]:
-    """(inputs per split, splits): whole steps per split, so the splits taken can be fewer than asked."""
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    return k_per_split, triton.cdiv(k, k_per_split)
-
-
-def _tile_programs(m: int, n: int, k: int, cfg: W4A16Config) -> int:
-    return triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * _k_split(k, cfg)[1]
-
-
-def dequantize(w: W4A16Weight) -> torch.Tensor:
-    """(N, K) float32 weight."""
-    shifts = torch.arange(0, 32, 4, device=w.qweight.device, dtype=torch.int32)
-    words = tiles_to_words(w.qweight, w.out_features)
-    codes = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (K//8, 8, N)
-    codes = codes.reshape(w.in_features, w.out_features).float()
-    sc = w.scales.float().repeat_interleave(w.group_size, dim=0)
-    mn = w.mins.float().repeat_interleave(w.group_size, dim=0)
-    return (codes * sc + mn).t().contiguous()
-
-
-def w4a16_reference(x: torch.Tensor, w: W4A16Weight) -> torch.Tensor:
-    """Dequantise to float32, matmul in float32, round once."""
-    return (x.float() @ dequantize(w).t()).to(x.dtype)
-
-
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """codes: (N, K) integers 0..15 -> qweight int32 (ceil(N / 32), K // 8, 32) in the layout above."""
-    n, k = codes.shape
-    assert k % 8 == 0
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
-    words = (codes.to(torch.int64).reshape(n, k // 8, 8) << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as signed int32
-    return words_to_tiles(words.to(torch.int32).t())
-
-
-_GGUF_BLOCK = 32
-_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-
-
-def from_gguf_q4(raw: np.ndarray | torch.Tensor, qtype: str, shape: tuple[int, int],
-                 scale_dtype: torch.dtype = torch.float16) -> W4A16Weight:
-    """Repack GGUF Q4_0/Q4_1 block data of a (N, K) weight without dequantising it.
-
-    raw: the tensor's bytes (uint8, any shape holding N * K/32 blocks, rows of N in order), as gguf's
-    reader gives them. A block is fp16 d [, fp16 m for Q4_1], then 16 bytes: byte i's low nibble is
-    code i, its high nibble code i + 16. Q4_0: w = d * (code - 8); Q4_1: w = d * code + m.
-    """
-    assert qtype in _GGUF_BLOCK_BYTES, f"unsupported GGUF type {qtype}"
-    n, k = shape
-    assert k % _GGUF_BLOCK == 0, f"K={k} is not a multiple of {_GGUF_BLOCK}"
-    data = raw.cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
-    bpb = _GGUF_BLOCK_BYTES[qtype]
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, k // _GGUF_BLOCK, bpb)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
-    if qtype == "Q4_1":
-        mins = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[:, :, 4:]
-    else:
-        mins = -8.0 * d.astype(np.float32)
-        qs = blocks[:, :, 2:]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)
-    return W4A16Weight(
-        qweight=pack_codes(torch.from_numpy(codes.astype(np.int64))),
-        scales=torch.from_numpy(d.astype(np.float32)).t().contiguous().to(scale_dtype),
-        mins=torch.from_numpy(mins).t().contiguous().to(scale_dtype),
-        group_size=_GGUF_BLOCK,
-    )
-
-
-def quantize(weight: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.float16) -> W4A16Weight:
-    """A dense (N, K) weight (nn.Linear's (out, in)) quantised to 4 bits: round to nearest, per group of
-    ``group_size`` inputs of one output row, asymmetric (the group's minimum is its min, its range over 15 its
-    scale, both rounded to ``scale_dtype`` first so the codes are chosen against the values stored). Every weight
-    comes back within about half a scale of itself (the top code's clamp adds at most the scale dtype's rounding
-    of the min and of 15 scales). A constant group gets scale 0 and its value as the min: exact.
-
-    Runs where ``weight`` is (on the GPU an 8B layer's projections take milliseconds); the result is there too.
-    """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be (out, in), got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if not is_w4a16_group_size(group_size):
-        raise ValueError(f"group_size must be a power of two of at least 8, got {group_size}")
-    if k % group_size:
-        raise ValueError(f"in_features {k} is not a whole number of groups of {group_size}")
-    w = weight.float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(-1), w.amax(-1)
-    mins = lo.to(scale_dtype)
-    scales = ((hi - lo) / 15).to(scale_dtype)
-    if not (torch.isfinite(mins).all() and torch.isfinite(scales).all()):
-        raise ValueError(f"weight values out of {scale_dtype}'s range (or not finite): cannot quantise")
-    s, m = scales.float()[..., None], mins.float()[..., None]
-    codes = torch.where(s > 0, torch.round((w - m) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, 15)
-    return W4A16Weight(pack_codes(codes.reshape(n, k).to(torch.uint8)), scales.t().contiguous(),
-                       mins.t().contiguous(), group_size)
-
-
-def random_weight(
-    n: int, k: int, group_size: int = 32, device: str | torch.device = "cpu",
-    scale_dtype: torch.dtype = torch.float16, seed: int = 0,
-) -> W4A16Weight:
-    """Random codes, scales and mins with the magnitudes of a real checkpoint (|W| ~ 0.02), made on device."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen, device=device)
-    scales = torch.rand((k // group_size, n), generator=gen, device=device) * 0.004 + 0.001
-    mins = -8 * scales + torch.randn((k // group_size, n), generator=gen, device=device) * 0.001
-    return W4A16Weight(pack_codes(codes), scales.to(scale_dtype), mins.to(scale_dtype), group_size)

@@ -29,8 +29,11 @@ from kernels import autotune_specs as specs
 from kernels import paged_attention as pa
 from kernels import rmsnorm as rn
 from kernels import w4a16 as wq
-from kernels._util import set_pdl
+from kernels import w4a16_format as w4f
+from kernels import w4a16_policy as w4p
+from kernels.common import set_pdl
 from kernels.silu_mul import silu_mul
+from stride.workers.kernel_configs import default_cache_path
 
 CUDA = torch.device("cuda")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # Llama-3.1-8B
@@ -175,15 +178,15 @@ def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
 
 
 def _w4_operands(n: int, k: int, rotate_bytes: int,
-                 group: int = 32) -> tuple[int, list[wq.W4A16Weight], list[torch.Tensor]]:
+                 group: int = 32) -> tuple[int, list[w4f.W4A16Weight], list[torch.Tensor]]:
     """Bytes of one packed (N, K) weight, and disjoint 4-bit and bf16 copies of such weights to cycle through."""
     w4_bytes = n * k // 2 + 2 * (k // group) * n * 2
-    ws = copies(lambda i: wq.random_weight(n, k, group, device=CUDA, seed=i), w4_bytes, rotate_bytes)
+    ws = copies(lambda i: w4f.random_weight(n, k, group, device=CUDA, seed=i), w4_bytes, rotate_bytes)
     wbf = copies(lambda i: torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02, n * k * 2, rotate_bytes)
     return w4_bytes, ws, wbf
 
 
-def _w4_run(x: torch.Tensor, cfg: wq.W4A16Config, w: wq.W4A16Weight) -> torch.Tensor:
+def _w4_run(x: torch.Tensor, cfg: w4p.W4A16Config, w: w4f.W4A16Weight) -> torch.Tensor:
     return wq.w4a16_matmul(x, w, cfg, dequant=False)
 
 
@@ -202,7 +205,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
           f"{'w4':>7} {'x':>6} {'w4 TB/s':>7}  config (graph timings in us; pdl: W4A16 calls chained by PDL)")
     for name, (n, k) in GEMM_SHAPES.items():
         w4_bytes, ws, wbf = _w4_operands(n, k, rotate_bytes, group)
-        tuned: dict[int, wq.W4A16Config] = {}
+        tuned: dict[int, w4p.W4A16Config] = {}
         for m in batches:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
             if tune and m in (1, 16):
@@ -210,7 +213,7 @@ def bench_w4a16(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune:
                 res = at.tune_and_cache(specs.W4A16, specs.GemmShape(m, n, k, group), CUDA, cache,
                                         timer=at.cuda_graph_timer, bench_problems=problems)
                 tuned[m] = res.chosen.candidate.config
-            options = {wq.default_config(m, n, k, group), *tuned.values()}
+            options = {w4p.default_config(m, n, k, group), *tuned.values()}
             timed = sorted((graph_over(partial(_w4_run, x, c), ws), i, c) for i, c in enumerate(options))
             w4_g, _, cfg = timed[0]
             set_pdl(True)
@@ -253,7 +256,7 @@ def bench_w4a16_rows(results: dict, cache: at.AutotuneCache, rotate_bytes: int, 
         _, ws, wbf = _w4_operands(n, k, rotate_bytes)
         for m in rows:
             x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-            ref = wq.w4a16_reference(x, ws[0]).float()
+            ref = w4f.w4a16_reference(x, ws[0]).float()
             err = [((wq.w4a16_matmul(x, ws[0], dequant=d).float() - ref).norm() / ref.norm()).item()
                    for d in (False, True)]
             calls = 24 if m <= 256 else 6
@@ -329,7 +332,7 @@ def main() -> int:
                      "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     print(results)
     ceilings(results)
-    cache = at.AutotuneCache()
+    cache = at.AutotuneCache(default_cache_path())
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
     parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),

@@ -23,11 +23,12 @@ import time
 import numpy as np
 import torch
 
-from kernels._util import set_pdl
-from stride.workers.attention import get_backend
+from kernels.common import set_pdl
+from stride.config import WorkerConfig
+from stride.workers.backends import get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.models.layers import use_fused_kernels
-from stride.workers.runner import ModelRunner
+from stride.workers.runner import ModelRunner, RunnerConfig
 
 
 def sync(device: torch.device) -> None:
@@ -133,15 +134,10 @@ def main() -> int:
     t = time.perf_counter()
     backends = [b for b in args.backends.split(",") if b]
     # With --graphs the runner starts on the triton backend, so that it builds its decode graphs.
-    runner = ModelRunner(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_blocks=need,
-        attention_backend="triton" if args.graphs else backends[0] if backends else "",
-        cuda_graphs=args.graphs,
-        quantize=args.quantize,
-    )
+    worker = WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=args.graphs,
+                          attention_backend="triton" if args.graphs else backends[0] if backends else "",
+                          quantize=args.quantize)
+    runner = ModelRunner(RunnerConfig(worker, num_blocks=need))
     graphs, runner.graphs = runner.graphs, None
     set_pdl(False)  # the runner allowed PDL (STRIDE_PDL's default); its graphs are captured on their first step
     print(

@@ -15,8 +15,8 @@ import gc
 import numpy as np
 import torch
 
-import kernels  # noqa: F401  (first: without CUDA it switches Triton to its interpreter before Triton loads)
-from stride.workers.runner import ModelRunner
+from stride.config import WorkerConfig
+from stride.workers.runner import ModelRunner, RunnerConfig
 
 # Steps of (slot, new tokens): two prefills (one chunked), then decodes riding along, then decodes only.
 SCHEDULE = [[(0, 500), (1, 300)], [(0, 1), (1, 200)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
@@ -67,9 +67,8 @@ def main() -> int:
     runs = [tuple(r.split(":")) for r in args.runs.split(",")]
     logits = {}
     for backend, dtype in runs:
-        runner = ModelRunner(
-            args.model, device=args.device, dtype=dtype, num_blocks=256, block_size=16, attention_backend=backend
-        )
+        worker = WorkerConfig(model=args.model, device=args.device, dtype=dtype, attention_backend=backend)
+        runner = ModelRunner(RunnerConfig(worker, num_blocks=256, block_size=16))
         logits[(backend, dtype)] = run_schedule(runner)
         del runner
         gc.collect()

@@ -32,6 +32,7 @@ from kernels import autotune as at
 from kernels import autotune_specs as specs
 from stride.model.args import ModelArgs
 from stride.model.files import default_model_path, is_gguf
+from stride.workers.kernel_configs import default_cache_path
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 W4A16_GROUP = 32  # W4A16Linear's group size (GGUF Q4 blocks)
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         parser.error("tuning needs a CUDA GPU (use --dry-run to list the shapes)")
-    cache = at.AutotuneCache(opts.cache or None)
+    cache = at.AutotuneCache(default_cache_path(opts.cache))
     print(f"GPU {at.gpu_name(torch.device('cuda'))}, cache {cache.path}")
     for spec, todo, nbytes, _ in plan:
         _tune_all(spec, todo, nbytes, cache, opts.rotate_mb * 2**20)

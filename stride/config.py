@@ -28,12 +28,6 @@ QUANTIZE_DEFAULT_GROUP = 128
 """Group of ``--quantize w4a16``: GPTQ's and AWQ's usual size; 0.53 bytes per weight with fp16 scales and mins."""
 
 
-def is_w4a16_group_size(group: int) -> bool:
-    """Whether the W4A16 kernels (``kernels/w4a16.py``) take groups of this many inputs: a power of two of at
-    least 8 (whole words; their tiles are powers of two)."""
-    return group >= 8 and group & (group - 1) == 0
-
-
 def quantize_group_size(spec: str) -> int:
     """The group size a ``--quantize`` value asks for, 0 for none: ``''``/``none``, ``w4a16`` (groups of
     :data:`QUANTIZE_DEFAULT_GROUP`) or ``w4a16-g<N>`` (N a power of two of at least 8). ``ValueError`` otherwise."""
@@ -43,8 +37,10 @@ def quantize_group_size(spec: str) -> int:
     if spec == "w4a16":
         return QUANTIZE_DEFAULT_GROUP
     if spec.startswith("w4a16-g") and spec[7:].isdigit():
+        from kernels.w4a16_policy import is_group_size  # the kernels' own rule (plain arithmetic), read only here
+
         group = int(spec[7:])
-        if is_w4a16_group_size(group):
+        if is_group_size(group):
             return group
     raise ValueError(f"quantize must be 'none', 'w4a16' or 'w4a16-g<N>' (N a power of two, at least 8), got {spec!r}")
 
@@ -232,9 +228,22 @@ class WorkerConfig:
     quantize: str = ""
     """``w4a16`` or ``w4a16-g<N>``: quantise the checkpoint's projections to 4 bits at load, in groups of N inputs
     (128 by default), and run them on the W4A16 GEMM; empty or ``none``: as stored."""
+    attention_backend: str = field(default_factory=env.ATTENTION_BACKEND.get)
+    """``torch`` (the reference) or ``triton`` (the kernels); empty: triton on CUDA, torch elsewhere."""
+    w4a16: str = field(default_factory=env.W4A16.get)
+    """Keep a GGUF's Q4 projections 4-bit on the W4A16 GEMM: ``1`` on, ``0`` off (dequantised to the run dtype);
+    empty: on with the triton backend on CUDA."""
+    pdl: bool = field(default_factory=env.PDL.get_bool)
+    """Capture the decode graphs of up to 8 sequences with programmatic dependent launch (Hopper and later)."""
+    autotune_cache: str = field(default_factory=env.AUTOTUNE_CACHE.get)
+    """JSON file of autotuned kernel configurations; empty: ``~/.cache/stride/autotune.json``."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size")
+        if self.attention_backend not in ("", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.w4a16.strip().lower() not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"w4a16 must be '1', '0' or empty, got {self.w4a16!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")
         if self.backend not in ("torch", "sim"):

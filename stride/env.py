@@ -22,6 +22,13 @@ class EnvVar:
     def get_bool(self) -> bool:
         return self.get().strip().lower() in ("1", "true", "yes", "on")
 
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+    def set_default(self, value: str) -> None:
+        """Set the variable for this process and its children, unless the environment already sets it."""
+        os.environ.setdefault(self.name, value)
+
     def get_int(self) -> int:
         raw = self.get()
         try:
@@ -57,8 +64,13 @@ PDL = EnvVar(
     "H200, batch-1 step from graphs: 5% less GPU time for an 8B 4-bit model, a third less for SmolLM2-135M "
     "(docs/perf.md).")
 
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", "0",
+    "Triton's own switch, read by Triton when it is first imported: '1' runs kernels in its interpreter on CPU "
+    "tensors. The worker sets it when it picks the triton backend without CUDA.")
+
 REGISTRY: tuple[EnvVar, ...] = (
-    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, AUTOTUNE_CACHE, PDL,
+    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, AUTOTUNE_CACHE, PDL, TRITON_INTERPRET,
 )
 
 

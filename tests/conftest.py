@@ -1,4 +1,4 @@
-"""Suite-wide settings: invariant checks on, GPU tests skipped without CUDA."""
+"""Suite-wide settings: invariant checks on, Triton's interpreter without CUDA, GPU tests skipped without it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ import pytest
 os.environ.setdefault("STRIDE_CHECK_INVARIANTS", "1")
 
 
+
 def _cuda_available() -> bool:
     try:
         import torch
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+# Without CUDA the kernel tests run the very same Triton kernels on CPU tensors, in Triton's interpreter. Triton
+# reads this when it is first imported, so it is set before any test module can import it.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 from e2e_helpers import StrideServer
+from worker_helpers import make_runner
 
 from stride.model.files import default_model_path
 from stride.tokenizer.detokenizer import token_bytes_table
@@ -203,12 +204,11 @@ def test_greedy_checker_fails_on_a_real_difference() -> None:
 @pytest.mark.slow
 def test_greedy_through_the_api_equals_the_workers_greedy(server: StrideServer, client: openai.OpenAI,
                                                           tok: ModelTokenizer) -> None:
-    from stride.workers.runner import ModelRunner
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server shares these two cores (see e2e_helpers.StrideServer.start)
     try:
-        runner = ModelRunner(default_model_path(), device="cpu", dtype="float32", block_size=16, num_blocks=16,
+        runner = make_runner(default_model_path(), device="cpu", dtype="float32", block_size=16, num_blocks=16,
                              max_num_seqs=1)
         _compare_greedy(server, client, tok, runner)
     finally:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernels import paged_attention as pa
-from kernels._util import interpreting
 from kernels.autotune import compare
 from kernels.autotune_specs import make_paged_problem
+from kernels.common import interpreting
 from kernels.paged_attention import (
     DecodeConfig,
     ExtendConfig,

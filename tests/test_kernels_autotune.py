@@ -9,7 +9,7 @@ import torch
 
 from kernels import paged_attention as pa
 from kernels import rmsnorm as rn
-from kernels import w4a16 as wq
+from kernels import w4a16_policy as w4p
 from kernels.autotune import AutotuneCache, Candidate, Point, cached_config, choose, gate, pareto_front, tune
 from kernels.autotune_specs import (
     PAGED_DECODE,
@@ -30,6 +30,7 @@ from kernels.autotune_specs import (
     broken_silu_mul_swapped,
 )
 from kernels.silu_mul import SiluMulConfig
+from stride.workers.kernel_configs import default_cache_path
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DECODE_SHAPE = DecodeShape(num_seqs=3, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, context_len=40,
@@ -57,7 +58,7 @@ def test_gate_rejects_broken_decode_variants(dtype, make_broken):
 
 
 def test_gate_rejects_dropped_scale_and_accepts_real_gemm():
-    cfg = wq.W4A16Config(block_n=32, block_k=128, split_k=2)
+    cfg = w4p.W4A16Config(block_n=32, block_k=128, split_k=2)
     assert gate(W4A16, W4A16.candidate(cfg), GEMM_SHAPE, DEVICE).ok
     assert not gate(W4A16, broken_dropped_scale(cfg), GEMM_SHAPE, DEVICE).ok
 
@@ -122,13 +123,13 @@ def test_tune_rejects_controls_chooses_and_caches(tmp_path, monkeypatch):
     # Faster and needs no workspace.
     assert result.chosen.candidate.config == pa.DecodeConfig(block_n=16, partition=0)
 
-    cache = AutotuneCache()
+    cache = AutotuneCache(default_cache_path())  # STRIDE_AUTOTUNE_CACHE, as the worker reads it
     assert cache.path == tmp_path / "tune.json"
     assert cached_config(spec, DECODE_SHAPE, DEVICE, cache) is None
     cache.put(spec, "cpu-interpreter" if DEVICE.type == "cpu" else torch.cuda.get_device_name(DEVICE),
               spec.bucket(DECODE_SHAPE), result.chosen)
     cache.save()
-    reloaded = AutotuneCache()
+    reloaded = AutotuneCache(default_cache_path())
     assert cached_config(spec, DECODE_SHAPE, DEVICE, reloaded) == pa.DecodeConfig(block_n=16, partition=0)
     # Another shape bucket (longer contexts) is not served the same entry.
     assert cached_config(spec, dataclasses.replace(DECODE_SHAPE, context_len=4000), DEVICE, reloaded) is None
@@ -151,16 +152,16 @@ def test_spaces_are_non_empty_and_costs_rank_workspace():
     assert W4A16.space(GemmShape(1, 4096, 4096)) and RMSNORM.space(NormShape(8, 4096))
     assert PAGED_EXTEND.space(EXTEND_SHAPE) and SILU_MUL.space(SiluShape(8, 14336))
     assert len({PAGED_EXTEND.bucket(dataclasses.replace(EXTEND_SHAPE, query_len=q)) for q in (20, 200)}) == 2
-    assert W4A16.cost(wq.W4A16Config(split_k=1), GemmShape(1, 64, 256)) == 0
+    assert W4A16.cost(w4p.W4A16Config(split_k=1), GemmShape(1, 64, 256)) == 0
     # The W4A16 tile space follows the launcher's row blocks: 16 up to M=16, 64 above, 128 too above 64; the
     # default config is in the space it would be tuned over.
     for m, blocks in ((16, {16}), (40, {64}), (100, {64, 128})):
         space = W4A16.space(GemmShape(m, 4096, 4096))
         assert {c.block_m for c in space if not c.gemv} == blocks
-        assert wq.default_config(m, 4096, 4096) in space
+        assert w4p.default_config(m, 4096, 4096) in space
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):  # Llama-3.1-8B's projections, decode
         for m in (1, 2, 4, 8):
             shape = GemmShape(m, n, k, group_size=128)
-            assert wq.default_config(m, n, k, 128) in W4A16.space(shape), (m, n, k)
+            assert w4p.default_config(m, n, k, 128) in W4A16.space(shape), (m, n, k)
     assert RMSNORM.cost(rn.RMSNormConfig(1, 4), NormShape(8, 4096)) > RMSNORM.cost(rn.RMSNormConfig(1, 16),
                                                                                     NormShape(8, 4096))

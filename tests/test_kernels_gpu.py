@@ -18,7 +18,9 @@ from kernels.autotune_specs import (
     make_paged_problem,
 )
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.w4a16 import W4A16Config, W4A16Weight, dequantize, quantize, random_weight, w4a16_matmul
+from kernels.w4a16 import w4a16_matmul
+from kernels.w4a16_format import W4A16Weight, dequantize, quantize, random_weight
+from kernels.w4a16_policy import W4A16Config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -128,7 +130,7 @@ def test_pdl_chain_in_a_graph_equals_eager():
     with programmatic dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each
     kernel reads what the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten
     memory."""
-    from kernels._util import pdl_args, set_pdl
+    from kernels.common import pdl_args, set_pdl
     from kernels.rope import apply_rope_cos_sin
     from kernels.silu_mul import silu_mul
 

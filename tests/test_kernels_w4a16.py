@@ -10,22 +10,20 @@ import pytest
 import torch
 
 from kernels import w4a16 as w4
-from kernels.w4a16 import (
-    DEQUANT_MIN_ROWS,
-    TILE_MIN_PROGRAMS,
-    W4A16Config,
+from kernels import w4a16_policy as w4p
+from kernels.w4a16 import dequantize_into, w4a16_matmul
+from kernels.w4a16_format import (
     W4A16Weight,
     dequantize,
-    dequantize_into,
     from_gguf_q4,
     pack_codes,
     quantize,
     random_weight,
     tiles_to_words,
-    w4a16_matmul,
     w4a16_reference,
     words_to_tiles,
 )
+from kernels.w4a16_policy import DEQUANT_MIN_ROWS, TILE_MIN_PROGRAMS, W4A16Config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -122,12 +120,12 @@ def test_gemv_rows_per_program_by_grid_size():
     one K step (under PDL its weights load before the wait); Llama-3.1-8B's keep four rows per program."""
     for m in (1, 2, 3, 4, 8):
         for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
-            cfg = w4.default_config(m, n, k, 32)
+            cfg = w4p.default_config(m, n, k, 32)
             assert cfg.gemv and cfg.block_m == 1 and cfg.block_k >= k and cfg.split_k == 1, (m, n, k, cfg)
     for m in (3, 4, 8):  # the control: 128 or more column tiles
         for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-            assert w4.default_config(m, n, k, 128).block_m == 4, (m, n, k)
-    assert w4.default_config(4, 576, 8192, 32).block_m == 4  # K past one 4,096-input step
+            assert w4p.default_config(m, n, k, 128).block_m == 4, (m, n, k)
+    assert w4p.default_config(4, 576, 8192, 32).block_m == 4  # K past one 4,096-input step
 
 
 @pytest.mark.parametrize("m,block_m,split_k", [(20, 64, 1), (70, 64, 3), (70, 128, 2)])
@@ -170,8 +168,8 @@ def test_small_tile_grid_expands(monkeypatch):
     x = torch.randn((16, 32), generator=torch.Generator().manual_seed(16)).to(torch.bfloat16).to(DEVICE)
     small, wide = random_weight(96, 32, device=DEVICE, seed=3), random_weight(16 * TILE_MIN_PROGRAMS, 32, device=DEVICE)
     narrow_tiles = W4A16Config(block_m=16, block_n=16, block_k=32)  # one program per 16 columns
-    assert w4._tile_programs(16, 96, 32, narrow_tiles) == 6
-    assert w4._tile_programs(16, 16 * TILE_MIN_PROGRAMS, 32, narrow_tiles) == TILE_MIN_PROGRAMS
+    assert w4p.tile_programs(16, 96, 32, narrow_tiles) == 6
+    assert w4p.tile_programs(16, 16 * TILE_MIN_PROGRAMS, 32, narrow_tiles) == TILE_MIN_PROGRAMS
     out_small = w4a16_matmul(x, small, narrow_tiles)
     assert expanded == [small]
     out_wide = w4a16_matmul(x, wide, narrow_tiles)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from worker_helpers import make_runner
 
 from stride.workers import attention
 from stride.workers.attention import AttentionMetadata, TorchPagedAttention
@@ -115,7 +116,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
     out = make["write_checkpoint"](make["PRESETS"]["tiny-llama"], tmp_path_factory.mktemp("tiny-llama"),
                                    torch.float32, seed=1)
-    return ModelRunner(str(out), device="cpu", dtype="float32", num_blocks=256, block_size=16)
+    return make_runner(str(out), device="cpu", dtype="float32", num_blocks=256, block_size=16)
 
 
 class Pager:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from test_worker_triton import Steps, cpu_triton, gpu, make_checkpoint
+from worker_helpers import make_runner
 
-import kernels  # noqa: F401  (first: without CUDA it turns on Triton's interpreter before Triton loads)
 from stride.workers.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs, batch_buckets, context_bucket, pdl_for_batch
 from stride.workers.runner import ModelRunner
 
@@ -32,7 +32,7 @@ def test_batch_buckets() -> None:
 def test_pdl_only_for_small_batch_buckets() -> None:
     """Graphs of up to PDL_MAX_BATCH rows are captured with PDL where it is allowed, larger ones plainly; where it
     is not allowed, none; the setting before is restored either way (also after an error in the capture)."""
-    from kernels._util import pdl_allowed, set_pdl
+    from kernels.common import pdl_allowed, set_pdl
 
     def inside(batch: int) -> bool:
         with pdl_for_batch(batch):
@@ -76,8 +76,8 @@ def decode_step(runner: ModelRunner, tokens: list[int], ctx: list[int], tables: 
 @torch.inference_mode()
 @cpu_triton
 def test_graph_path_equals_eager_cpu(tiny_path: Path) -> None:
-    graphed = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
-    eager = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
+    graphed = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    eager = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
                         cuda_graphs=False)
     assert graphed.graphs is not None and eager.graphs is None
     assert graphed.num_blocks == eager.num_blocks == 40
@@ -102,7 +102,7 @@ def test_graph_path_equals_eager_cpu(tiny_path: Path) -> None:
 @torch.inference_mode()
 @cpu_triton
 def test_padding_rows_cannot_reach_real_blocks_cpu(tiny_path: Path) -> None:
-    runner = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
+    runner = make_runner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
     rng = np.random.default_rng(1)
     tables = rng.permutation(16)[:12].astype(np.int32).reshape(3, 4)
     prompts = [rng.integers(0, runner.args.vocab_size, n) for n in (7, 5, 9)]
@@ -127,7 +127,7 @@ def test_padding_rows_cannot_reach_real_blocks_cpu(tiny_path: Path) -> None:
 @torch.inference_mode()
 @cpu_triton
 def test_steps_without_a_graph_run_eagerly_cpu(tiny_path: Path) -> None:
-    runner = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton",
+    runner = make_runner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton",
                          max_num_seqs=2)
     assert runner.graphs is not None and runner.graphs.max_batch == 2
     tables = np.arange(12, dtype=np.int32).reshape(3, 4)
@@ -151,7 +151,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     graphs (captured) and eager steps pick the same tokens, with float32 logits within 1e-4."""
     path = make_checkpoint("tiny-llama", tmp_path / "ck", torch.float32)
     runners = {
-        graphs: ModelRunner(str(path), device="cuda", dtype="float32", num_blocks=200, block_size=16,
+        graphs: make_runner(str(path), device="cuda", dtype="float32", num_blocks=200, block_size=16,
                             attention_backend="triton", cuda_graphs=graphs)
         for graphs in (True, False)
     }
@@ -224,8 +224,8 @@ def test_bucket_without_memory_to_capture_runs_eagerly_cpu(
 ) -> None:
     """A bucket whose capture runs out of device memory: that step, and later ones of that bucket, run eagerly
     (same logits as an eager runner), with one warning; other buckets keep their graphs."""
-    graphed = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
-    eager = ModelRunner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton",
+    graphed = make_runner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
+    eager = make_runner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton",
                         cuda_graphs=False)
     graphs = graphed.graphs
     assert graphs is not None
@@ -264,7 +264,7 @@ def test_graph_memory_within_reserve_and_capture_oom_falls_back(
     from stride.workers.kv_cache import geometry
 
     path = make_checkpoint("llama-3.1-8b", tmp_path / "ck", torch.bfloat16, num_layers=2, device="cuda")
-    runner = ModelRunner(str(path), device="cuda", dtype="bfloat16", num_blocks=600, block_size=16,
+    runner = make_runner(str(path), device="cuda", dtype="bfloat16", num_blocks=600, block_size=16,
                          attention_backend="triton", max_num_seqs=256, max_model_len=8192)
     graphs = runner.graphs
     assert graphs is not None and graphs.max_batch == 256

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from worker_helpers import make_runner
 
 from stride.workers.loader import default_model_path
 from stride.workers.runner import ModelRunner
@@ -158,7 +159,7 @@ def smollm2(request: pytest.FixtureRequest) -> tuple[ModelRunner, object, str]:
         pytest.skip(str(e))  # the 98 MB GGUF does not travel to every machine (the GPU one, say)
     if not os.path.isfile(path):
         pytest.skip(f"default model not installed here ({path})")
-    runner = ModelRunner(path, device=device, dtype=dtype, num_blocks=64)
+    runner = make_runner(path, device=device, dtype=dtype, num_blocks=64)
     hf = _hf_model(os.path.dirname(path), device, dtype, gguf_file=os.path.basename(path))
     return runner, hf, dtype
 
@@ -177,7 +178,7 @@ def tiny(
         if mark.name == "skipif" and mark.args[0]:
             pytest.skip("needs CUDA")
     path = make_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=3)
-    runner = ModelRunner(str(path), device=device, dtype=dtype, num_blocks=128)
+    runner = make_runner(str(path), device=device, dtype=dtype, num_blocks=128)
     return runner, _hf_model(path, device, dtype), dtype
 
 
@@ -220,9 +221,9 @@ def test_tiny_llama_really_uses_llama3_scaling(tmp_path: Path) -> None:
     path = make_checkpoint("tiny-llama", tmp_path / "a", seed=3)
     cfg = (path / "config.json").read_text()
     ids = np.random.default_rng(0).integers(0, 256, 100).tolist()
-    scaled = OneSeq(ModelRunner(str(path), device="cpu", num_blocks=16)).feed(ids)
+    scaled = OneSeq(make_runner(str(path), device="cpu", num_blocks=16)).feed(ids)
     (path / "config.json").write_text(cfg.replace('"llama3"', '"default"'))
-    plain = OneSeq(ModelRunner(str(path), device="cpu", num_blocks=16)).feed(ids)
+    plain = OneSeq(make_runner(str(path), device="cpu", num_blocks=16)).feed(ids)
     assert (scaled - plain).abs().max().item() > 1e-3
 
 
@@ -238,7 +239,7 @@ def test_llama_8b_shaped_checkpoint_loads_and_decodes(tmp_path: Path) -> None:
         make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
         preset = make["PRESETS"]["llama-3.1-8b"]
         path = make["write_checkpoint"](preset, tmp_path / "8b", torch.bfloat16, seed=0, device="cuda")
-    runner = ModelRunner(str(path), device="cuda", dtype="bfloat16")
+    runner = make_runner(str(path), device="cuda", dtype="bfloat16")
     assert runner.num_blocks > 1000 and runner.args.num_layers == 32
     ids = np.random.default_rng(0).integers(0, 128000, 300).tolist()
     one_shot = OneSeq(runner, seed=1).feed(ids)

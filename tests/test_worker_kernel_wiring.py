@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 from test_worker_triton import Steps, count_calls, cpu_triton, make_checkpoint
+from worker_helpers import make_runner
 
-import kernels  # noqa: F401  (first: without CUDA it turns on Triton's interpreter before Triton loads)
 import stride.workers.attention_triton as attention_triton
 from kernels import autotune as at
 from kernels import autotune_specs as specs
@@ -24,12 +24,12 @@ from kernels import rope as rope_kernels
 from kernels.paged_attention import DecodeConfig, ExtendConfig
 from kernels.rmsnorm import RMSNormConfig
 from kernels.silu_mul import SiluMulConfig
-from kernels.w4a16 import W4A16Config, random_weight
+from kernels.w4a16_format import random_weight
+from kernels.w4a16_policy import W4A16Config
 from stride.model.args import ModelArgs, RopeScaling
 from stride.workers import kernel_configs
 from stride.workers.attention import TorchPagedAttention
 from stride.workers.models import layers
-from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_GPU = "Fake GPU 141GB"
@@ -141,8 +141,8 @@ def _max_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 @cpu_triton
 @torch.inference_mode()
 def test_triton_worker_with_fused_rope_equals_torch_worker(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
-    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    ref = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
     assert ref.args.rope_scaling.factor != 1.0  # llama3 scaling in play
     real = layers._kernel("rope").apply_rope_cos_sin
     monkeypatch.setitem(layers._KERNELS, "rope", SimpleNamespace(apply_rope_cos_sin=real,
@@ -212,9 +212,9 @@ def test_worker_call_sites_get_the_cached_configs(
     # Same bucket as the 36-token first step, but another GPU: not ours.
     _put(cache, specs.RMSNORM, "Other GPU", specs.NormShape(36, 64, torch.float32), NORM_CFG)
     cache.save()
-    ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    ref = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
     # Eager: the decode graphs would pad the 3 rows to 4 (the same buckets, so the same configs).
-    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
+    tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
                       cuda_graphs=False)
     # The second step (2 sequences, chunks of up to 21 tokens, longest context 37: bucket b2-q32-ctx64) and the
     # decode-only steps' SiLU-mul (3 rows).
@@ -277,7 +277,7 @@ def test_unusable_cache_file_falls_back_to_heuristics(
     tiny_path: Path, fake_gpu: Path, content: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake_gpu.write_text(content)
-    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
     monkeypatch.setitem(layers._KERNELS, "rmsnorm", SimpleNamespace(rmsnorm=layers._kernel("rmsnorm").rmsnorm))
     norms = _spy(monkeypatch, layers._KERNELS["rmsnorm"], "rmsnorm", lambda x, *a: x.shape[0])
     steps = Steps(40, 4, tri.args.vocab_size)
@@ -353,7 +353,7 @@ def test_cuda_worker_launches_with_the_tuned_decode_config(
             monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(tmp_path / "missing.json"))
         else:
             monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(path))
-        runner = ModelRunner(str(tiny_path), device="cuda", dtype="bfloat16", num_blocks=40, block_size=4,
+        runner = make_runner(str(tiny_path), device="cuda", dtype="bfloat16", num_blocks=40, block_size=4,
                              attention_backend="triton")
         seen = _spy(monkeypatch, attention_triton, "paged_decode", lambda q, *a: q.shape[0])
         runs.append([x.float().cpu() for x in steps.run(runner)])

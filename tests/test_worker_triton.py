@@ -18,16 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from worker_helpers import make_runner
 
-import kernels  # noqa: F401  (first: without CUDA it turns on Triton's interpreter before Triton loads)
-from stride.workers.attention import get_backend
+from stride.config import WorkerConfig
+from stride.workers.backends import get_backend
 from stride.workers.runner import ModelRunner
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 cpu_triton = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on CPU tensors need the "
-                                "interpreter, which `import kernels` turns on only where CUDA is absent")
+                                "interpreter, which conftest.py turns on only where CUDA is absent")
 
 
 def make_checkpoint(
@@ -115,8 +116,8 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @torch.inference_mode()
 @cpu_triton
 def test_triton_backend_equals_torch_backend_cpu(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ref = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
-    tri = ModelRunner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
+    ref = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton")
     assert (ref.backend.name, tri.backend.name) == ("torch", "triton")
     import stride.workers.attention_triton as at
     from stride.workers.models import layers
@@ -153,16 +154,16 @@ def test_triton_backend_equals_torch_backend_cpu(tiny_path: Path, monkeypatch: p
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STRIDE_ATTENTION_BACKEND", raising=False)
-    assert get_backend("", "cpu").name == "torch"
-    assert get_backend("", "cuda").name == "triton"
-    monkeypatch.setenv("STRIDE_ATTENTION_BACKEND", "triton")
-    assert get_backend("", "cpu").name == "triton"
+    assert get_backend(WorkerConfig().attention_backend, "cpu").name == "torch"
+    assert get_backend(WorkerConfig().attention_backend, "cuda").name == "triton"
+    monkeypatch.setenv("STRIDE_ATTENTION_BACKEND", "triton")  # the variable supplies the config's default
+    assert get_backend(WorkerConfig().attention_backend, "cpu").name == "triton"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash", "cpu")
 
 
 def test_forward_rejects_position_past_context(tiny_path: Path) -> None:
-    runner = ModelRunner(str(tiny_path), device="cpu", num_blocks=8, block_size=4, attention_backend="torch")
+    runner = make_runner(str(tiny_path), device="cpu", num_blocks=8, block_size=4, attention_backend="torch")
     tables = np.arange(8, dtype=np.int32).reshape(1, 8)
     one = np.array([1], np.int32)
     runner.forward(np.array([5], np.int32), np.array([6], np.int32), np.array([0], np.int32), one, [7], tables)
@@ -198,7 +199,7 @@ def run_worker(
 
     ``nudge`` moves one element of one prompt token's embedding by one unit in the last place: the smallest
     change a 16-bit run can see, to measure how much this network amplifies a difference."""
-    runner = ModelRunner(path, device="cuda", dtype=dtype, num_blocks=2048, attention_backend=backend)
+    runner = make_runner(path, device="cuda", dtype=dtype, num_blocks=2048, attention_backend=backend)
     if nudge:
         row = runner.model.embed_tokens.weight.data[int(steps.prompts[0][5])]
         assert row.element_size() == 2

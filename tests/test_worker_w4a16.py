@@ -13,15 +13,14 @@ import pytest
 import torch
 from test_worker_loader import write_gguf
 from test_worker_triton import Steps, count_calls, cpu_triton
+from worker_helpers import make_runner
 
-import kernels  # noqa: F401  (before Triton loads: without CUDA it turns on the interpreter; see test_worker_triton)
-from kernels.w4a16 import W4A16Weight, dequantize, quantize
+from kernels.w4a16_format import W4A16Weight, dequantize, quantize
 from stride.config import WorkerConfig, quantize_group_size
 from stride.workers import loader
 from stride.workers.loader import load_model, use_w4a16
 from stride.workers.models import layers
 from stride.workers.models.layers import W4A16Linear
-from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -43,12 +42,12 @@ def _dequantised(module: W4A16Linear) -> torch.Tensor:
 
 def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STRIDE_W4A16", raising=False)
-    assert use_w4a16("cuda", "triton")
-    assert not use_w4a16("cpu", "triton") and not use_w4a16("cuda", "torch")
-    monkeypatch.setenv("STRIDE_W4A16", "0")
-    assert not use_w4a16("cuda", "triton")
+    assert use_w4a16("cuda", "triton", WorkerConfig().w4a16)
+    assert not use_w4a16("cpu", "triton", WorkerConfig().w4a16) and not use_w4a16("cuda", "torch")
+    monkeypatch.setenv("STRIDE_W4A16", "0")  # the variable supplies WorkerConfig.w4a16's default
+    assert not use_w4a16("cuda", "triton", WorkerConfig().w4a16)
     monkeypatch.setenv("STRIDE_W4A16", "1")
-    assert use_w4a16("cpu", "torch")
+    assert use_w4a16("cpu", "torch", WorkerConfig().w4a16)
 
 
 def _merged_shards(k: int, sizes: list[int]) -> list[W4A16Weight]:
@@ -86,7 +85,7 @@ def test_sharded_loading_off_tile_boundaries() -> None:
 def test_sharded_loading_of_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # Shards of whole 32-column tiles (every real model's) are copied tile by tile, never through the (K // 8, N)
     # matrix of words (tiles_to_words raises while they load), and give the same weights as the unsharded ones.
-    from kernels import w4a16
+    from kernels import w4a16_format
 
     k, tp = 64, 2
     full = _merged_shards(k, [128, 64])
@@ -97,7 +96,7 @@ def test_sharded_loading_of_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None
     for rank in range(tp):
         column, want = _column_rank(k, full, tp, rank)
         with monkeypatch.context() as patched:
-            patched.setattr(w4a16, "tiles_to_words", untiled)
+            patched.setattr(w4a16_format, "tiles_to_words", untiled)
             for shard, w in enumerate(full):
                 column.load_full(w, shard)
         assert torch.equal(_dequantised(column), want)
@@ -134,7 +133,7 @@ def test_quantize_values() -> None:
 @pytest.mark.parametrize("source", ["hf", "F32"])
 def test_quantized_projections_hold_the_quantised_checkpoint(gguf_paths: dict[str, Path], source: str) -> None:
     # A 32-bit checkpoint (HF, or GGUF F32 with its q/k rows permuted) quantised at load: every projection is a
-    # W4A16Linear holding exactly what kernels.w4a16.quantize makes of the dense weight, one tensor at a time
+    # W4A16Linear holding exactly what kernels.w4a16_format.quantize makes of the dense weight, one tensor at a time
     # (q, k and v quantised separately, then merged: their groups run along the input, so merging cannot mix them).
     path = str(gguf_paths[source])
     dense = load_model(path)
@@ -203,9 +202,9 @@ def test_w4a16_worker_equals_dequantised_worker(
     path = str(gguf_paths["Q4_1"])  # the default model's type
     kw = dict(device="cpu", num_blocks=40, block_size=4)
     monkeypatch.setenv("STRIDE_W4A16", "0")
-    ref = ModelRunner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    ref = make_runner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
     monkeypatch.setenv("STRIDE_W4A16", "1")  # forces the CUDA default on the CPU
-    tri = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    tri = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     assert (ref.w4a16, tri.w4a16) == (False, True)
     w4a16 = layers._kernel("w4a16")
     fake = SimpleNamespace(**vars(w4a16))  # the module, with a w4a16_matmul that can be counted
@@ -222,7 +221,7 @@ def test_w4a16_worker_equals_dequantised_worker(
         assert err <= 1e-5, f"step {i}: max logit error {err:.3g}"
     # Negative control: the packed q/k without the un-permutation (the dense reference was loaded with it).
     monkeypatch.setattr(loader, "unpermute_qk", lambda w, num_heads: w)
-    wrong = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    wrong = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     bad = Steps(40, 4, ref.args.vocab_size)
     bad.schedule = bad.schedule[:1]
     errs = [(g - w).abs().max().item() for g, w in zip(bad.run(wrong), want, strict=False)]
@@ -236,9 +235,9 @@ def test_quantized_worker_equals_worker_on_quantised_weights(gguf_paths: dict[st
     dequantised 4-bit weights, through the W4A16 GEMM."""
     path = str(gguf_paths["hf"])
     kw = dict(device="cpu", num_blocks=40, block_size=4)
-    dense = ModelRunner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    dense = make_runner(path, attention_backend="torch", **kw)  # type: ignore[arg-type]
     want_dense = Steps(40, 4, dense.args.vocab_size).run(dense)
-    tri = ModelRunner(path, attention_backend="triton", quantize="w4a16-g32", **kw)  # type: ignore[arg-type]
+    tri = make_runner(path, attention_backend="triton", quantize="w4a16-g32", **kw)  # type: ignore[arg-type]
     assert tri.w4a16
     for name, module in tri.model.named_modules():  # the reference: dense, holding the same 4-bit values
         if isinstance(module, W4A16Linear):
@@ -261,9 +260,9 @@ def test_w4a16_worker_on_cuda_matches_dense_bf16(
     path = str(gguf_paths["Q4_1"])
     kw = dict(device="cuda", dtype="bfloat16", num_blocks=40, block_size=4)
     monkeypatch.setenv("STRIDE_W4A16", "0")
-    ref = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    ref = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     monkeypatch.delenv("STRIDE_W4A16")  # the CUDA + triton default: on
-    tri = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    tri = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     assert (ref.w4a16, tri.w4a16) == (False, True)
     want = Steps(40, 4, ref.args.vocab_size).run(ref)
     got = Steps(40, 4, ref.args.vocab_size).run(tri)
@@ -278,8 +277,8 @@ def test_w4a16_worker_on_cuda_matches_dense_bf16(
     # Negative control: the nibble order of a GGUF block swapped in the repacking (code i + 16 read as code i),
     # the classic Q4 layout slip. (The q/k un-permutation control of the CPU test is too weak here: this
     # random model's attention hardly depends on q.k, so it moves the logits about as much as bf16 rounding.)
-    w4a16 = layers._kernel("w4a16")
-    real = w4a16.from_gguf_q4
+    w4a16_format = layers._kernel("w4a16_format")
+    real = w4a16_format.from_gguf_q4
 
     def swapped(raw: np.ndarray, qtype: str, shape: tuple[int, int], scale_dtype: torch.dtype) -> object:
         blocks = np.array(raw, dtype=np.uint8).reshape(-1, 20 if qtype == "Q4_1" else 18)
@@ -287,8 +286,8 @@ def test_w4a16_worker_on_cuda_matches_dense_bf16(
         blocks[:, -16:] = (qs << 4) | (qs >> 4)
         return real(blocks, qtype, shape, scale_dtype)
 
-    monkeypatch.setattr(w4a16, "from_gguf_q4", swapped)
-    wrong = ModelRunner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
+    monkeypatch.setattr(w4a16_format, "from_gguf_q4", swapped)
+    wrong = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     bad_out = Steps(40, 4, ref.args.vocab_size).run(wrong)
     bad_cos = min(cosine(g, w) for g, w in zip(bad_out, want, strict=True))
     bad_err = max((g - w).abs().max().item() for g, w in zip(bad_out, want, strict=True))

@@ -7,24 +7,18 @@ cache (layout in :mod:`stride.workers.kv_cache`). Each layer first writes all of
 (:meth:`AttentionBackend.write_kv`, or with fused layers the RoPE launch), then attends
 (:meth:`AttentionBackend.attend`), so two sequences of one step that share prefix blocks both see them.
 
-Backends register by name (:func:`register_backend`); ``torch`` is the reference that runs anywhere. The
-Triton kernels plug in under another name and must agree with it.
+``torch`` (:class:`TorchPagedAttention`) is the reference that runs anywhere; the Triton kernels
+(:mod:`stride.workers.attention_triton`) must agree with it. :mod:`stride.workers.backends` picks one by name.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from stride import env
 
 
 @dataclass
@@ -234,39 +228,3 @@ class AttentionContext:
     backend: AttentionBackend
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
-
-
-def _triton_backend() -> AttentionBackend:
-    # Imported on demand: Triton (and ``kernels``, which may switch on its interpreter) load only when asked.
-    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-    if "triton" in sys.modules and not interpret and not torch.cuda.is_available():
-        # Triton fixes interpreter-or-compiler for its own library functions when it is imported; something
-        # (torch itself, when building a model on the meta device) imported it already without the flag.
-        raise RuntimeError(
-            "the triton backend without CUDA needs TRITON_INTERPRET=1 before Triton is first imported: "
-            "set it in the environment, or import `kernels` earlier"
-        )
-    from stride.workers.attention_triton import TritonPagedAttention
-
-    return TritonPagedAttention()
-
-
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchPagedAttention}
-if importlib.util.find_spec("triton") is not None:
-    _BACKENDS["triton"] = _triton_backend
-
-
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    """Make a backend selectable by name (the Triton kernels register themselves as ``triton``)."""
-    _BACKENDS[name] = factory
-
-
-def get_backend(name: str = "", device_type: str = "cpu") -> AttentionBackend:
-    """The backend ``name``; empty reads ``STRIDE_ATTENTION_BACKEND``, else picks ``triton`` on CUDA when one
-    is registered and ``torch`` otherwise."""
-    name = name or env.ATTENTION_BACKEND.get()
-    if not name:
-        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()

@@ -23,7 +23,8 @@ import torch
 
 from kernels import autotune as at
 from kernels import autotune_specs as specs
-from kernels._util import next_pow2
+from kernels.sizes import next_pow2
+from stride import env
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +97,17 @@ def device_gpu_name(device: torch.device) -> str | None:
     return at.gpu_name(device) if device.type == "cuda" else None
 
 
+def default_cache_path(path: str = "") -> Path:
+    """``path``, else ``STRIDE_AUTOTUNE_CACHE``, else ``~/.cache/stride/autotune.json``."""
+    return Path(path or env.AUTOTUNE_CACHE.get() or Path.home() / ".cache" / "stride" / "autotune.json")
+
+
 def load(device: torch.device, path: Path | str | None = None) -> KernelConfigs:
-    """Read the cache file (``path``, else ``STRIDE_AUTOTUNE_CACHE``, else the default) for ``device``."""
+    """Read the cache file (``path``, else :func:`default_cache_path`) for ``device``."""
     gpu = device_gpu_name(device)
     if gpu is None:
         return KernelConfigs(None, "")
-    where = Path(path) if path is not None else at.default_cache_path()
+    where = Path(path) if path else default_cache_path()
     try:
         cache = at.AutotuneCache(where)
     except (OSError, ValueError, AttributeError, TypeError) as exc:  # unreadable, not JSON, not the layout
@@ -119,9 +125,16 @@ def load(device: torch.device, path: Path | str | None = None) -> KernelConfigs:
 _LOADED: dict[torch.device, KernelConfigs] = {}
 
 
+def use_file(device: torch.device, path: str = "") -> KernelConfigs:
+    """Load ``device``'s configs from ``path`` (``WorkerConfig.autotune_cache``; empty: the default file) for every
+    later :func:`for_device` of this process. The runner calls it as it starts."""
+    configs = _LOADED[device] = load(device, path)
+    return configs
+
+
 def for_device(device: torch.device) -> KernelConfigs:
-    """The configs of ``device``, loaded on first use and kept for the process (a worker restart re-reads
-    the file)."""
+    """The configs of ``device``: those :func:`use_file` loaded, else the default file's, read on first use and
+    kept for the process (a worker restart re-reads the file)."""
     configs = _LOADED.get(device)
     if configs is None:
         configs = _LOADED[device] = load(device)

@@ -12,7 +12,7 @@ checkpoint tensor in it is Q4. Embeddings, norms, the LM head and Mixtral's expe
 
 With ``quantize`` (``stride serve --quantize w4a16[-g<N>]``) every other such projection of the checkpoint, 16/32-bit
 or a GGUF type other than Q4, becomes a :class:`W4A16Linear` too and its tensors are quantised on the device as they
-stream in (:func:`kernels.w4a16.quantize`: round to nearest, per group of N inputs, 128 by default); GGUF Q4
+stream in (:func:`kernels.w4a16_format.quantize`: round to nearest, per group of N inputs, 128 by default); GGUF Q4
 projections are kept as they are (groups of 32). So a 16-bit checkpoint runs on the 4-bit GEMM without a separate
 conversion step, and the KV cache, sized after loading, gets the memory the weights no longer take.
 """
@@ -57,11 +57,12 @@ _GGUF_PROJECTIONS = {
 }
 
 
-def use_w4a16(device_type: str, backend: str) -> bool:
-    """Whether the worker keeps GGUF Q4 projections 4-bit: ``STRIDE_W4A16`` when set, else only with the
-    triton backend on CUDA (elsewhere the GEMM would run through Triton's interpreter, or not at all)."""
-    if env.W4A16.get().strip():
-        return env.W4A16.get_bool()
+def use_w4a16(device_type: str, backend: str, setting: str = "") -> bool:
+    """Whether the worker keeps GGUF Q4 projections 4-bit: ``setting`` (``WorkerConfig.w4a16``) when set, else
+    only with the triton backend on CUDA (elsewhere the GEMM would run through Triton's interpreter, or not at
+    all)."""
+    if setting.strip():
+        return setting.strip().lower() in ("1", "true", "yes", "on")
     return device_type == "cuda" and backend == "triton"
 
 
@@ -95,9 +96,10 @@ def load_model(
     packed: dict[str, str] = {}  # GGUF tensor → the W4A16Linear it loads into
     # float16 holds GGUF's fp16 scales exactly (bfloat16 would round them); float32 runs stay float32.
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
-    if w4a16:
-        # Before the model build imports Triton: without CUDA, kernels turns on Triton's interpreter.
-        import kernels.w4a16  # noqa: F401
+    if w4a16 and device.type != "cuda":
+        # The 4-bit GEMM without CUDA runs in Triton's interpreter, which Triton reads as it is first imported:
+        # before the model build, which can import it.
+        env.TRITON_INTERPRET.set_default("1")
     if is_gguf(path):
         import gguf
 
@@ -168,7 +170,7 @@ def _quantizing(
     tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
 ) -> Iterator[tuple[str, Any]]:
     """The stream with the tensors in ``names`` quantised on ``device`` (in float32, whatever the run dtype)."""
-    from kernels.w4a16 import quantize
+    from kernels.w4a16_format import quantize
 
     for name, tensor in tensors:
         if name in names:
@@ -325,7 +327,7 @@ def _packed_q4(t: Any, kind: str, args: ModelArgs, scale_dtype: torch.dtype) -> 
     """A Q4_0/Q4_1 projection as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
     and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same
     rows move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
-    from kernels.w4a16 import from_gguf_q4
+    from kernels.w4a16_format import from_gguf_q4
 
     k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
     rows = np.asarray(t.data).reshape(n, -1)

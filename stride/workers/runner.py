@@ -9,15 +9,16 @@ reads them, and copies just the rows and columns of the block tables this step n
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from stride import env
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks_per_seq, quantize_group_size
 from stride.planner.memory import MAX_GRAPH_BATCH
-from stride.workers.attention import AttentionContext, AttentionMetadata, get_backend
+from stride.workers.attention import AttentionContext, AttentionMetadata
+from stride.workers.backends import get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
@@ -40,44 +41,62 @@ def _tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What one :class:`ModelRunner` is built from: the worker's settings and the cache and batch limits it sizes
+    its buffers for. The worker process derives it from the launch's configuration (:meth:`from_launch`)."""
+
+    worker: WorkerConfig
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks; None sizes the cache from the device memory measured free after loading (CUDA only, through
+    the planner's formula)."""
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = SchedulerConfig.max_model_len
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or (self.num_blocks is not None and self.num_blocks <= 0):
+            raise ValueError("block_size and num_blocks must be positive")
+
+    @staticmethod
+    def from_launch(worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig) -> RunnerConfig:
+        """As the worker process runs: on CUDA the cache is sized from free memory, on CPU it has
+        ``cache.num_blocks`` blocks."""
+        device, _ = resolve_device_dtype(worker.device, worker.dtype)
+        return RunnerConfig(worker, block_size=cache.block_size,
+                            num_blocks=None if device.type == "cuda" else cache.num_blocks,
+                            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                            max_model_len=sched.max_model_len)
+
+
 class ModelRunner:
     """One rank's model and KV cache. Not thread-safe; one step at a time.
 
-    ``num_blocks=None`` sizes the cache from the device memory measured free after loading (CUDA only,
-    through the planner's formula); on CPU it must be given.
-
-    ``cuda_graphs``: decode-only steps of up to :data:`MAX_GRAPH_BATCH` sequences replay CUDA graphs
+    ``WorkerConfig.cuda_graphs``: decode-only steps of up to :data:`MAX_GRAPH_BATCH` sequences replay CUDA graphs
     (:mod:`stride.workers.cuda_graphs`) with the Triton backend and a dense model (on CPU, the same padded
     static-buffer step, uncaptured); the cache then holds one block past ``num_blocks`` for the graphs'
     padding rows.
     """
 
-    def __init__(
-        self,
-        model_path: str = "",
-        *,
-        device: str = "",
-        dtype: str = "",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int = SchedulerConfig.max_model_len,
-        memory_utilization: float = 0.9,
-        attention_backend: str = "",
-        cuda_graphs: bool = True,
-        quantize: str = "",
-        progress: ProgressCallback | None = None,
-    ) -> None:
-        self.device, self.dtype = resolve_device_dtype(device, dtype)
+    def __init__(self, config: RunnerConfig, progress: ProgressCallback | None = None) -> None:
+        self.config = config
+        worker = config.worker
+        block_size, num_blocks, max_num_seqs = config.block_size, config.num_blocks, config.max_num_seqs
+        self.device, self.dtype = resolve_device_dtype(worker.device, worker.dtype)
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
-        self.backend = get_backend(attention_backend, self.device.type)
-        # GGUF Q4 projections stay 4-bit under the W4A16 GEMM with the triton backend on CUDA (STRIDE_W4A16);
+        self.backend = get_backend(worker.attention_backend, self.device.type)
+        if self.backend.name == "triton":
+            from stride.workers import kernel_configs  # Triton-side: loaded with the triton backend only
+
+            kernel_configs.use_file(self.device, worker.autotune_cache)
+        # GGUF Q4 projections stay 4-bit under the W4A16 GEMM with the triton backend on CUDA (WorkerConfig.w4a16);
         # ``quantize`` ("w4a16[-g<N>]") makes every projection 4-bit, quantised at load.
-        group = quantize_group_size(quantize)
-        self.w4a16 = group > 0 or use_w4a16(self.device.type, self.backend.name)
-        self.model = load_model(model_path, self.device, self.dtype, progress, w4a16=self.w4a16,
+        group = quantize_group_size(worker.quantize)
+        self.w4a16 = group > 0 or use_w4a16(self.device.type, self.backend.name, worker.w4a16)
+        self.model = load_model(worker.model, self.device, self.dtype, progress, w4a16=self.w4a16,
                                 quantize_group=group)
         self.args = self.model.args
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
@@ -88,15 +107,15 @@ class ModelRunner:
                            if isinstance(m, W4A16Linear)), default=0)
             if largest:
                 reserve_scratch(self.device, self.dtype, largest)
-        graphs = self._graphs_wanted(cuda_graphs)
+        graphs = self._graphs_wanted(worker.cuda_graphs)
         self.block_size = block_size
         if num_blocks is None:
-            free = free_device_bytes(self.device, memory_utilization)
+            free = free_device_bytes(self.device, worker.gpu_memory_utilization)
             # With decode graphs their buffers are reserved too (the planner's formula): they are allocated at
             # capture, after the cache took its share (at start, and for longer contexts on first use).
             num_blocks = num_blocks_for_memory(
-                self.args, free, block_size, self.dtype, max_num_batched_tokens, max_num_seqs,
-                graph_table_width=-(-max_model_len // block_size) if graphs else 0,
+                self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs,
+                graph_table_width=-(-config.max_model_len // block_size) if graphs else 0,
             )
             # The decode graphs' padding block comes out of the measured memory too.
             num_blocks -= int(graphs)
@@ -106,8 +125,8 @@ class ModelRunner:
         self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype)
         self.num_blocks = num_blocks
         use_fused_kernels(self.model, self.backend.fused_layers)
-        if graphs and self.device.type == "cuda" and env.PDL.get_bool():
-            from kernels._util import set_pdl  # loaded with the triton backend already
+        if graphs and self.device.type == "cuda" and worker.pdl:
+            from kernels.common import set_pdl  # loaded with the triton backend already
 
             set_pdl(True)
         self.graphs = (
@@ -127,31 +146,12 @@ class ModelRunner:
         )
 
     @classmethod
-    def from_config(
-        cls,
-        worker: WorkerConfig,
-        cache: CacheConfig,
-        sched: SchedulerConfig,
-        progress: ProgressCallback | None = None,
-    ) -> ModelRunner:
-        """As the worker process builds it: on CUDA the cache is sized from free memory and the decode graphs of
-        the shortest context bucket are captured; on CPU the cache has ``cache.num_blocks`` blocks."""
-        device, _ = resolve_device_dtype(worker.device, worker.dtype)
-        runner = cls(
-            worker.model,
-            device=str(device),
-            dtype=worker.dtype,
-            block_size=cache.block_size,
-            num_blocks=None if device.type == "cuda" else cache.num_blocks,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            max_model_len=sched.max_model_len,
-            memory_utilization=worker.gpu_memory_utilization,
-            cuda_graphs=worker.cuda_graphs,
-            quantize=worker.quantize,
-            progress=progress,
-        )
-        if runner.graphs is not None:  # on CUDA: the shortest-context graphs now, not mid-serving
+    def from_config(cls, worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig,
+                    progress: ProgressCallback | None = None) -> ModelRunner:
+        """As the worker process builds it (:meth:`RunnerConfig.from_launch`), with the decode graphs of the
+        shortest context bucket captured now on CUDA, not mid-serving."""
+        runner = cls(RunnerConfig.from_launch(worker, cache, sched), progress)
+        if runner.graphs is not None:
             runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
         return runner
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
-    from kernels.w4a16 import W4A16Weight
+    from kernels.w4a16_format import W4A16Weight
     from stride.workers.kernel_configs import KernelConfigs
 
 
@@ -82,7 +82,7 @@ class RowParallelLinear(nn.Module):
 
 
 class W4A16Linear(nn.Module):
-    """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16.W4A16Weight`, as buffers ``qweight``
+    """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16_format.W4A16Weight`, as buffers ``qweight``
     (ceil(N / 32), K // 8, 32), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
 
     Stands in for a :class:`ColumnParallelLinear` (``split="column"``: a rank keeps its columns of N, shard by
@@ -112,7 +112,7 @@ class W4A16Linear(nn.Module):
         if k % group_size or group_size % 8:
             raise ValueError(f"in_features {k} (this rank's) is not a whole number of {group_size}-groups")
         # NaN scales mark "not loaded" for the loader's check, as NaN weights do for the dense linears.
-        tile = _kernel("w4a16").TILE_N
+        tile = _kernel("w4a16_format").TILE_N
         self.register_buffer("qweight", torch.zeros(-(-n // tile), k // 8, tile, dtype=torch.int32))
         self.register_buffer("scales", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
         self.register_buffer("mins", torch.full((k // group_size, n), float("nan"), dtype=scale_dtype))
@@ -136,7 +136,7 @@ class W4A16Linear(nn.Module):
         """Copy this rank's part of the unsharded packed weight number ``shard`` into place."""
         if full.group_size != self.group_size:
             raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
-        w4a16 = _kernel("w4a16")
+        w4a16 = _kernel("w4a16_format")
         if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
             size = self.output_sizes[shard]
             offset = sum(self.output_sizes[:shard])
@@ -161,11 +161,10 @@ class W4A16Linear(nn.Module):
             self.mins.copy_(full.mins.narrow(0, self.tp_rank * groups, groups))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w4a16 = _kernel("w4a16")
-        weight = w4a16.W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
+        weight = _kernel("w4a16_format").W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         config = _tuned(x.device).w4a16(x2.shape[0], weight.out_features, x2.shape[1], self.group_size, x.dtype)
-        y = w4a16.w4a16_matmul(x2, weight, config=config)
+        y = _kernel("w4a16").w4a16_matmul(x2, weight, config=config)
         # With split="row" and tp_size > 1 an all-reduce of the partial sums goes here.
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -12,10 +12,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def check_float(name: str, t: torch.Tensor) -> None:
     assert t.dtype in _FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}"
 
