@@ -17,6 +17,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq.asyncio
 
@@ -76,6 +77,9 @@ class Backend:
         self._pull: AsyncPullQueue[Message] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            TextDelta: self._deliver, RequestFailed: self._on_failed, SchedulerStats: self._on_stats,
+            Shutdown: self._on_shutdown}
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -150,17 +154,19 @@ class Backend:
                 log.exception("frontend: failed to dispatch %s", type(msg).__name__)
 
     def _dispatch(self, msg: Message) -> None:
-        if isinstance(msg, SchedulerStats):
-            if self.on_stats is not None:
-                self.on_stats(msg)
-            return
-        if isinstance(msg, Shutdown):
-            self.shut_down(msg.reason)
-            if self.on_shutdown is not None:
-                self.on_shutdown(msg.reason)
-            return
-        assert isinstance(msg, (TextDelta, RequestFailed))
-        if isinstance(msg, RequestFailed) and msg.code == WORKER_DEAD:
+        self._handlers[type(msg)](msg)
+
+    def _on_stats(self, msg: SchedulerStats) -> None:
+        if self.on_stats is not None:
+            self.on_stats(msg)
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.shut_down(msg.reason)
+        if self.on_shutdown is not None:
+            self.on_shutdown(msg.reason)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        if msg.code == WORKER_DEAD:
             self.mark_unhealthy(msg.message)
             if not msg.req_id:  # broadcast: every request in flight fails
                 self.fail_all(msg.status, msg.message, msg.code)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -55,6 +56,8 @@ class ClientServer:
         self._sock: Any = None
         self._loop_task: asyncio.Task[None] | None = None
         self._tasks: dict[tuple[bytes, str], asyncio.Task[None]] = {}
+        self._handlers: dict[type, Callable[[bytes, Any], Awaitable[None]]] = {
+            ClientAbort: self._on_abort, ClientGenerate: self._on_generate}
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -97,20 +100,23 @@ class ClientServer:
             except DecodeError as e:
                 await self._refuse(identity, frame, 400, f"malformed message: {e}")
                 continue
-            if isinstance(msg, ClientAbort):
-                task = self._tasks.get((identity, msg.req_id))
-                if task is not None:
-                    task.cancel()
-            elif isinstance(msg, ClientGenerate):
-                key = (identity, msg.req_id)
-                if key in self._tasks:
-                    busy = f"req_id {msg.req_id!r} is already running"
-                    with contextlib.suppress(zmq.ZMQError):
-                        await self._send(identity, ClientOutput(req_id=msg.req_id, status=400, error=busy))
-                    continue
-                task = asyncio.create_task(self._generate(identity, msg))
-                self._tasks[key] = task
-                task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None))  # type: ignore[misc]
+            await self._handlers[type(msg)](identity, msg)
+
+    async def _on_abort(self, identity: bytes, msg: ClientAbort) -> None:
+        task = self._tasks.get((identity, msg.req_id))
+        if task is not None:
+            task.cancel()
+
+    async def _on_generate(self, identity: bytes, msg: ClientGenerate) -> None:
+        key = (identity, msg.req_id)
+        if key in self._tasks:
+            busy = f"req_id {msg.req_id!r} is already running"
+            with contextlib.suppress(zmq.ZMQError):
+                await self._send(identity, ClientOutput(req_id=msg.req_id, status=400, error=busy))
+            return
+        task = asyncio.create_task(self._generate(identity, msg))
+        self._tasks[key] = task
+        task.add_done_callback(lambda _t, k=key: self._tasks.pop(k, None))  # type: ignore[misc]
 
     async def _refuse(self, identity: bytes, frame: bytes, status: int, error: str) -> None:
         """Answer a frame that will not be served, where the request id it names can be read."""

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 import orjson
@@ -71,6 +72,9 @@ class Launch:
         self.info: dict[tuple[str, int], dict[str, Any]] = {}
         self.port = 0
         self._closed = False
+        self._last_shown = -1.0  # the last loading progress shown
+        self._control_handlers: dict[type, Callable[[Any], None]] = {
+            m.ProcessReady: self._on_ready, m.ProcessFailed: self._on_failed, m.Progress: self._on_progress}
 
     # -------------------------------------------------------------- start
 
@@ -86,22 +90,30 @@ class Launch:
 
     def _await_ready(self, wanted: set[tuple[str, int]], what: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        last_shown = -1.0
         while wanted - self.info.keys():
             if self.stop[0]:
                 raise LaunchError(f"stopped while waiting for {what}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"timed out waiting for {what}")
             self._check_alive()
-            msg = self.control.get(timeout_ms=100)
-            if isinstance(msg, m.ProcessReady):
-                self.info[(msg.role, msg.index)] = msg.info
-            elif isinstance(msg, m.ProcessFailed):
-                raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
-            elif isinstance(msg, m.Progress) and not self.quiet and (
-                    msg.fraction - last_shown >= 0.1 or msg.fraction < last_shown):  # (or a new phase began)
-                last_shown = msg.fraction
-                print(f"  {msg.role}: {msg.message} {msg.fraction:4.0%}", file=sys.stderr, flush=True)
+            self._control_once(100)
+
+    def _control_once(self, timeout_ms: int) -> None:
+        """Handle the next control message, if one comes within ``timeout_ms``."""
+        msg = self.control.get(timeout_ms=timeout_ms)
+        if msg is not None:
+            self._control_handlers[type(msg)](msg)
+
+    def _on_ready(self, msg: m.ProcessReady) -> None:
+        self.info[(msg.role, msg.index)] = msg.info
+
+    def _on_failed(self, msg: m.ProcessFailed) -> None:
+        raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
+
+    def _on_progress(self, msg: m.Progress) -> None:
+        if not self.quiet and (msg.fraction - self._last_shown >= 0.1 or msg.fraction < self._last_shown):
+            self._last_shown = msg.fraction  # (a smaller fraction: a new phase began)
+            print(f"  {msg.role}: {msg.message} {msg.fraction:4.0%}", file=sys.stderr, flush=True)
 
     def start(self) -> None:
         cfg = self.config
@@ -150,9 +162,7 @@ class Launch:
         while not self.stop[0]:
             try:
                 self._check_alive()
-                msg = self.control.get(timeout_ms=200)
-                if isinstance(msg, m.ProcessFailed):
-                    raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
+                self._control_once(200)
             except LaunchError as e:
                 log.error("%s; shutting down", e)
                 self._fail_in_flight(str(e))

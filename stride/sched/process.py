@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -27,6 +29,10 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 50
+
+
+class _WorkerFailed(Exception):
+    """Rank 0 reported a failed step: the requests are failed and the launcher told; the loop ends."""
 
 
 class SchedulerLoop:
@@ -138,6 +144,30 @@ def run(config: StrideConfig, trace_path: str = "") -> int:
         to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
         control.put(m.ProcessReady("scheduler", 0, {"num_blocks": config.cache.num_blocks}))
         last_stats = 0.0
+        now = 0.0
+
+        def tokenized(msg: m.TokenizedRequest) -> None:
+            failed = loop.on_request(msg, now)
+            if failed is not None:
+                to_front.put(failed)
+                to_tok[msg.tokenizer_index].put(m.ReleaseRequest(msg.req_id))
+
+        def step_done(msg: m.StepDone) -> None:
+            if msg.error is not None:
+                log.error("rank 0 failed step %d: %s", msg.step, msg.error)
+                for owner, outs in loop.fail_all(f"worker error: {msg.error}").items():
+                    to_tok[owner].put(m.StepOutputs(outs))
+                to_front.put(m.RequestFailed("", 503, "the model worker failed", "worker_dead"))
+                control.put(m.ProcessFailed("scheduler", f"worker step failed: {msg.error}"))
+                raise _WorkerFailed
+            for owner, outs in loop.on_step_done(msg, now).items():
+                to_tok[owner].put(m.StepOutputs(outs))
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            m.TokenizedRequest: tokenized,
+            m.AbortRequest: lambda msg: loop.on_abort(msg.req_id, now),
+            m.StepDone: step_done,
+        }
         while True:
             # Blocks until a message arrives: with a step in flight that is its StepDone.
             first = inbox.get(timeout_ms=IDLE_POLL_MS)
@@ -146,29 +176,15 @@ def run(config: StrideConfig, trace_path: str = "") -> int:
             for msg in msgs:
                 if isinstance(msg, m.Shutdown):
                     return 0
-                if isinstance(msg, m.TokenizedRequest):
-                    failed = loop.on_request(msg, now)
-                    if failed is not None:
-                        to_front.put(failed)
-                        to_tok[msg.tokenizer_index].put(m.ReleaseRequest(msg.req_id))
-                elif isinstance(msg, m.AbortRequest):
-                    loop.on_abort(msg.req_id, now)
-                elif isinstance(msg, m.StepDone):
-                    if msg.error is not None:
-                        log.error("rank 0 failed step %d: %s", msg.step, msg.error)
-                        for owner, outs in loop.fail_all(f"worker error: {msg.error}").items():
-                            to_tok[owner].put(m.StepOutputs(outs))
-                        to_front.put(m.RequestFailed("", 503, "the model worker failed", "worker_dead"))
-                        control.put(m.ProcessFailed("scheduler", f"worker step failed: {msg.error}"))
-                        return 1
-                    for owner, outs in loop.on_step_done(msg, now).items():
-                        to_tok[owner].put(m.StepOutputs(outs))
+                handlers[type(msg)](msg)
             desc = loop.next_step(now)
             if desc is not None:
                 to_worker.put(desc)
             if now - last_stats >= STATS_INTERVAL_S:
                 to_front.put(loop.stats())
                 last_stats = now
+    except _WorkerFailed:
+        return 1
     except Exception as e:
         log.exception("scheduler failed")
         control.put(m.ProcessFailed("scheduler", f"{type(e).__name__}: {e}"))

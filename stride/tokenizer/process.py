@@ -13,6 +13,7 @@ that request alone: the frontend gets a :class:`RequestFailed`, the scheduler an
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,23 +172,26 @@ def run(config: StrideConfig, index: int) -> int:
         to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
         control.put(m.ProcessReady("tokenizer", index, {
             "eos_token_ids": list(worker.tok.eos_token_ids), "vocab_size": worker.tok.vocab_size}))
-        while True:
-            msg = inbox.get()
-            if isinstance(msg, m.Shutdown):
-                break
-            if isinstance(msg, m.GenerateRequest):
-                reply = worker.on_generate(msg)
-                (to_sched if isinstance(reply, m.TokenizedRequest) else to_front).put(reply)
-            elif isinstance(msg, m.StepOutputs):
-                deltas, aborts = worker.on_outputs(msg)
-                for a in aborts:
-                    to_sched.put(a)
-                for d in deltas:
-                    to_front.put(d)
-            elif isinstance(msg, m.AbortRequest):
-                to_sched.put(worker.on_abort(msg))
-            elif isinstance(msg, m.ReleaseRequest):
-                worker.on_release(msg)
+
+        def generate(msg: m.GenerateRequest) -> None:
+            reply = worker.on_generate(msg)
+            (to_sched if isinstance(reply, m.TokenizedRequest) else to_front).put(reply)
+
+        def outputs(msg: m.StepOutputs) -> None:
+            deltas, aborts = worker.on_outputs(msg)
+            for a in aborts:
+                to_sched.put(a)
+            for d in deltas:
+                to_front.put(d)
+
+        handlers: dict[type, Callable[[Any], None]] = {
+            m.GenerateRequest: generate,
+            m.StepOutputs: outputs,
+            m.AbortRequest: lambda msg: to_sched.put(worker.on_abort(msg)),
+            m.ReleaseRequest: worker.on_release,
+        }
+        while not isinstance(msg := inbox.get(), m.Shutdown):
+            handlers[type(msg)](msg)
         return 0
     except Exception as e:
         log.exception("tokenizer %d failed", index)
