@@ -86,15 +86,15 @@ def tuning_shapes(
 
 def read_model(path: str) -> tuple[ModelArgs, set[str]]:
     """The model's args and the projections the worker would keep 4-bit (GGUF Q4_0/Q4_1 in every layer)."""
-    from stride.workers import loader
+    from stride.workers import gguf_checkpoint, loader
 
     if not is_gguf(path):
         return loader.read_model_args(path), set()
     import gguf
 
     reader = gguf.GGUFReader(path)
-    args = loader._gguf_args(reader)
-    packed = set(loader._w4a16_projections(reader, args).values())  # "layers.N.<projection>"
+    args = gguf_checkpoint.gguf_args(reader)
+    packed = set(gguf_checkpoint.w4a16_projections(reader, args).values())  # "layers.N.<projection>"
     kinds = {name.split(".", 2)[2] for name in packed}
     # Tuned per shape, so a projection counts when any layer keeps it 4-bit.
     return args, kinds

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
+from stride.model.files import default_model_path
 from stride.tokenizer.detokenizer import IncrementalDetokenizer, complete_prefix_length, token_bytes_table
 from stride.tokenizer.loader import load_tokenizer
-from stride.workers.loader import default_model_path
 
 SPLIT_CHARS = ["🤖 robots", "家族👨‍👩‍👧‍👦で", "漢字と仮名の混じった文", "café ñ ✓ €100", "🇫🇷🇯🇵 flags"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from stride.model.files import default_model_path
 from stride.model.gguf import read_gguf_metadata
 from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
-from stride.workers.loader import default_model_path
 
 TRICKY = [
     "Hello, world!",

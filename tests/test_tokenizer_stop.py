@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stride.model.files import default_model_path
 from stride.tokenizer.detokenizer import token_bytes_table
 from stride.tokenizer.loader import load_tokenizer
 from stride.tokenizer.stop import OutputText, StopChecker
-from stride.workers.loader import default_model_path
 
 
 def run(stop, deltas):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jinja2
 import pytest
 
+from stride.model.files import default_model_path
 from stride.tokenizer.loader import load_tokenizer
 from stride.tokenizer.template import ChatTemplate, TemplateError
-from stride.workers.loader import default_model_path
 
 SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
           "<|im_end|>\n")

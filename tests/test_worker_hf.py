@@ -13,7 +13,7 @@ import pytest
 import torch
 from worker_helpers import make_runner
 
-from stride.workers.loader import default_model_path
+from stride.model.files import default_model_path
 from stride.workers.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")

@@ -13,22 +13,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from worker_helpers import write_gguf
 
-from stride.workers import loader
+from stride.workers import gguf_checkpoint
 from stride.workers.loader import load_model, read_model_args
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter permutation (rotate-half rows → interleaved pairs), written out independently."""
-    out = np.empty_like(w)
-    head_dim = w.shape[0] // num_heads
-    for h in range(num_heads):
-        for i in range(head_dim // 2):
-            out[h * head_dim + 2 * i] = w[h * head_dim + i]
-            out[h * head_dim + 2 * i + 1] = w[h * head_dim + head_dim // 2 + i]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -36,41 +26,6 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
     cfg = dict(make["PRESETS"]["tiny-llama"], rope_scaling=None)  # GGUF has no llama3 parameters
     return make["write_checkpoint"](cfg, tmp_path_factory.mktemp("hf"), torch.float32, seed=5)
-
-
-def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
-    """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised 2-D)."""
-    cfg = json.loads((hf / "config.json").read_text())
-    weights = load_file(str(hf / "model.safetensors"))
-    make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
-    w = make["llama_writer"](cfg, str(out))
-    names = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
-    for name, t in weights.items():
-        a = t.numpy()
-        if name.startswith("model.layers."):
-            _, _, layer, rest = name.split(".", 3)
-            kind = names[rest.removesuffix(".weight")]
-            if kind == "attn_q":
-                a = llama_cpp_permute(a, cfg["num_attention_heads"])
-            elif kind == "attn_k":
-                a = llama_cpp_permute(a, cfg["num_key_value_heads"])
-            gname = f"blk.{layer}.{kind}.weight"
-        else:
-            gname = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[name]
-        if a.ndim == 2 and qtype != "F32":
-            q = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -111,7 +66,7 @@ def test_gguf_without_unpermute_differs(
     # Negative control: skipping the un-permutation loads a different (wrong) model.
     path = write_gguf(hf_dir, tmp_path / "m.gguf")
     ref = _logits(load_model(str(hf_dir)), IDS)
-    monkeypatch.setattr(loader, "unpermute_qk", lambda w, n: w)
+    monkeypatch.setattr(gguf_checkpoint, "unpermute_qk", lambda w, n: w)
     assert (_logits(load_model(str(path)), IDS) - ref).abs().max().item() > 1e-3
 
 

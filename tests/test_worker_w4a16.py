@@ -11,13 +11,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_worker_loader import write_gguf
 from test_worker_triton import Steps, count_calls, cpu_triton
-from worker_helpers import make_runner
+from worker_helpers import make_runner, write_gguf
 
 from kernels.w4a16_format import W4A16Weight, dequantize, quantize
 from stride.config import WorkerConfig, quantize_group_size
-from stride.workers import loader
+from stride.workers import gguf_checkpoint
 from stride.workers.loader import load_model, use_w4a16
 from stride.workers.models import layers
 from stride.workers.models.layers import W4A16Linear
@@ -112,7 +111,7 @@ def test_only_all_q4_projections_are_packed() -> None:
              "ffn_up": "Q4_0", "ffn_down": "F16", "attn_norm": "F32"}
     tensors = [SimpleNamespace(name=f"blk.0.{k}.weight", tensor_type=SimpleNamespace(name=t))
                for k, t in types.items()]
-    got = loader._w4a16_projections(SimpleNamespace(tensors=tensors), SimpleNamespace(num_layers=1))  # type: ignore[arg-type]
+    got = gguf_checkpoint.w4a16_projections(SimpleNamespace(tensors=tensors), SimpleNamespace(num_layers=1))  # type: ignore[arg-type]
     assert got == {
         "blk.0.attn_output.weight": "layers.0.self_attn.o_proj",
         "blk.0.ffn_gate.weight": "layers.0.mlp.gate_up_proj",
@@ -186,7 +185,7 @@ def test_packed_projections_hold_the_gguf_weights(
     assert qkv.scales.dtype == torch.float16
     assert torch.equal(_dequantised(qkv), dense.layers[1].self_attn.qkv_proj.weight)
     # Negative control: without the un-permutation q and k rows are out of place (v and o are not).
-    monkeypatch.setattr(loader, "unpermute_qk", lambda w, num_heads: w)
+    monkeypatch.setattr(gguf_checkpoint, "unpermute_qk", lambda w, num_heads: w)
     wrong = load_model(path, w4a16=True).layers[1].self_attn
     q_size = dense.args.num_heads * dense.args.head_dim
     want = dense.layers[1].self_attn.qkv_proj.weight
@@ -220,7 +219,7 @@ def test_w4a16_worker_equals_dequantised_worker(
         err = (g - w).abs().max().item()
         assert err <= 1e-5, f"step {i}: max logit error {err:.3g}"
     # Negative control: the packed q/k without the un-permutation (the dense reference was loaded with it).
-    monkeypatch.setattr(loader, "unpermute_qk", lambda w, num_heads: w)
+    monkeypatch.setattr(gguf_checkpoint, "unpermute_qk", lambda w, num_heads: w)
     wrong = make_runner(path, attention_backend="triton", **kw)  # type: ignore[arg-type]
     bad = Steps(40, 4, ref.args.vocab_size)
     bad.schedule = bad.schedule[:1]

@@ -1,9 +1,9 @@
-"""Weights from disk onto the device: HF checkpoint directories and GGUF files.
+"""Weights from disk onto the device: HF checkpoint directories (:mod:`stride.workers.hf_checkpoint`) and GGUF files
+(:mod:`stride.workers.gguf_checkpoint`), with projections quantised as they load where asked
+(:mod:`stride.workers.quantize_at_load`).
 
 Both paths stream ``(hf_name, tensor)`` pairs into :meth:`Transformer.load_weight`, one tensor at a time, so
-peak host memory is one tensor, not the checkpoint. GGUF tensors are dequantised to float32 with the
-``gguf`` package and then cast to the run dtype; names are mapped to HF names and llama.cpp's Q/K row
-permutation is undone, as transformers does when it loads a GGUF (so the two give the same model).
+peak host memory is one tensor, not the checkpoint; tensors are cast to the run dtype on the way.
 
 With ``w4a16`` (:func:`use_w4a16`: by default on CUDA with the triton backend) a GGUF's Q4_0/Q4_1 projections
 (q/k/v, o, gate/up, down) are not dequantised: their modules become :class:`W4A16Linear` before anything is
@@ -22,40 +22,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import chain
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from stride import env
 from stride.model.files import default_model_path, is_gguf
+from stride.workers.gguf_checkpoint import gguf_args, gguf_tensors, w4a16_projections
+from stride.workers.hf_checkpoint import safetensors_stream
 from stride.workers.models import ModelArgs, Transformer, build_model
 from stride.workers.models.layers import W4A16Linear
+from stride.workers.quantize_at_load import quantizable, quantizing
 
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, float], None]
 """``(message, fraction done in [0, 1])``: lets the worker process report loading to the launcher."""
-
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-"""GGUF tensor types we dequantise (the ones tested); others are refused with their name."""
-
-W4A16_TYPES = ("Q4_0", "Q4_1")
-"""GGUF types the W4A16 GEMM takes as they are (a per-32 scale, and a min or the implied -8 * scale)."""
-
-# Our projection (under "layers.N.") → the GGUF tensors (after "blk.N.") merged in it, in shard order.
-_GGUF_PROJECTIONS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
-
 
 def use_w4a16(device_type: str, backend: str, setting: str = "") -> bool:
     """Whether the worker keeps GGUF Q4 projections 4-bit: ``setting`` (``WorkerConfig.w4a16``) when set, else
@@ -71,7 +57,7 @@ def read_model_args(path: str) -> ModelArgs:
     if is_gguf(path):
         import gguf
 
-        return _gguf_args(gguf.GGUFReader(path))
+        return gguf_args(gguf.GGUFReader(path))
     return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
@@ -104,18 +90,18 @@ def load_model(
         import gguf
 
         reader = gguf.GGUFReader(path)
-        args = _gguf_args(reader)
-        packed = _w4a16_projections(reader, args) if w4a16 else {}
-        tensors, total = _gguf_tensors(reader, args, set(packed), scale_dtype), len(reader.tensors)
+        args = gguf_args(reader)
+        packed = w4a16_projections(reader, args) if w4a16 else {}
+        tensors, total = gguf_tensors(reader, args, set(packed), scale_dtype), len(reader.tensors)
     else:
         args = read_model_args(path)
-        tensors, total = _safetensors(Path(path))
+        tensors, total = safetensors_stream(Path(path))
     groups = dict.fromkeys(packed.values(), 32)  # module path → group size of its W4A16Linear
     quantized: set[str] = set()  # HF names of the tensors quantised as they load
     with torch.device("meta"):
         model = build_model(args, tp_rank, tp_size)
         if quantize_group:
-            for proj, names in _quantizable(model, args).items():
+            for proj, names in quantizable(model, args).items():
                 if proj not in groups:
                     groups[proj] = quantize_group
                     quantized.update(names)
@@ -127,7 +113,7 @@ def load_model(
     if quantized:
         log.info("%d projections quantised to 4 bits at load (W4A16, groups of %d)",
                  len(groups) - len(set(packed.values())), quantize_group)
-        tensors = _quantizing(tensors, quantized, quantize_group, device, scale_dtype)
+        tensors = quantizing(tensors, quantized, quantize_group, device, scale_dtype)
     _materialize(model, device, dtype)
     label = f"loading {os.path.basename(path.rstrip('/'))}"
     with tqdm(total=total, desc=label, unit="tensor", disable=None) as bar:
@@ -151,36 +137,6 @@ def load_model(
     return model
 
 
-def _quantizable(model: Transformer, args: ModelArgs) -> dict[str, list[str]]:
-    """Our dense projections (module path) → the HF tensor names merged in each, for :func:`quantize`. Models without
-    a module (Mixtral's MLP is its experts, which stay dense) have no entry for it."""
-    out: dict[str, list[str]] = {}
-    for layer in range(args.num_layers):
-        for module, kinds in _GGUF_PROJECTIONS.items():
-            path = f"layers.{layer}.{module}"
-            try:
-                model.get_submodule(path)
-            except AttributeError:
-                continue
-            out[path] = [f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight" for kind in kinds]
-    return out
-
-
-def _quantizing(
-    tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
-) -> Iterator[tuple[str, Any]]:
-    """The stream with the tensors in ``names`` quantised on ``device`` (in float32, whatever the run dtype)."""
-    from kernels.w4a16_format import quantize
-
-    for name, tensor in tensors:
-        if name in names:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name}: expected a dense tensor to quantise")
-            yield name, quantize(tensor.to(device), group, scale_dtype)
-        else:
-            yield name, tensor
-
-
 def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
     """Replace the meta parameters by NaN-filled real ones (NaN marks "not loaded"), keeping ties; packed
     projections' buffers keep their dtypes (and their NaN scales)."""
@@ -202,167 +158,5 @@ def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -
     model.init_buffers(device)
 
 
-def _safetensors(root: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    from safetensors import safe_open
-
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {root}")
-    total = 0
-    for f in files:
-        with safe_open(str(root / f), framework="pt") as st:
-            total += len(list(st.keys()))
-
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
-            with safe_open(str(root / f), framework="pt") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
-
-    return stream(), total
 
 
-# GGUF name (after "blk.N.") → HF name (after "model.layers.N.").
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "block_sparse_moe.gate",
-}
-_GGUF_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _gguf_args(reader: Any) -> ModelArgs:
-    arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "mixtral"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (llama and mixtral only)")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", "linear") or (
-        _field(reader, f"{arch}.rope.scaling.factor", 1.0) != 1.0
-    ):
-        raise ValueError("GGUF rope scaling other than llama3 (rope_freqs) is not supported")
-    names = {t.name: t for t in reader.tensors}
-    embd = names["token_embd.weight"]
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    freqs = names.get("rope_freqs.weight")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelArgs(
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embd.shape[1]))),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_freq_factors=tuple(float(x) for x in np.asarray(freqs.data)) if freqs is not None else (),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 8192)),
-        tie_word_embeddings="output.weight" not in names,
-        num_experts=int(_field(reader, f"{arch}.expert_count", 0)),
-        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 2)),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's converter, which reorders each head's q/k rows from rotate-half pairs ``(i, i + d/2)``
-    to interleaved pairs ``(2i, 2i + 1)`` for its RoPE; ours (and HF's) rotates halves."""
-    head_dim = weight.shape[0] // num_heads
-    w = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
-
-
-def _w4a16_projections(reader: Any, args: ModelArgs) -> dict[str, str]:
-    """GGUF tensor name → our module path, for the projections whose every merged tensor is Q4_0/Q4_1."""
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    out: dict[str, str] = {}
-    for layer in range(args.num_layers):
-        for module, kinds in _GGUF_PROJECTIONS.items():
-            names = [f"blk.{layer}.{kind}.weight" for kind in kinds]
-            if all(types.get(n) in W4A16_TYPES for n in names):
-                out.update((n, f"layers.{layer}.{module}") for n in names)
-    return out
-
-
-def _to_torch(data: np.ndarray) -> torch.Tensor:
-    # F32 tensors come back as read-only views of the memory-mapped file; torch wants its own writable copy.
-    if not (data.flags.writeable and data.flags.c_contiguous):
-        data = np.array(data, dtype=np.float32, order="C")
-    return torch.from_numpy(data)
-
-
-def _unpermute_gguf(kind: str, rows: np.ndarray, args: ModelArgs) -> np.ndarray:
-    if kind == "attn_q":
-        return unpermute_qk(rows, args.num_heads)
-    if kind == "attn_k":
-        return unpermute_qk(rows, args.num_kv_heads)
-    return rows
-
-
-def _dequantized(t: Any) -> np.ndarray:
-    import gguf
-
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-
-
-def _packed_q4(t: Any, kind: str, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
-    """A Q4_0/Q4_1 projection as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
-    and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same
-    rows move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
-    from kernels.w4a16_format import from_gguf_q4
-
-    k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
-    rows = np.asarray(t.data).reshape(n, -1)
-    rows = _unpermute_gguf(kind, rows, args)
-    return from_gguf_q4(rows, t.tensor_type.name, (n, k), scale_dtype)
-
-
-def _gguf_tensors(
-    reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype
-) -> Iterator[tuple[str, Any]]:
-    """``(HF name, tensor)``: dequantised float32 tensors, and W4A16Weight for the GGUF names in ``packed``."""
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            continue  # already in ModelArgs
-        qtype = t.tensor_type.name
-        if qtype not in GGUF_TYPES:
-            raise ValueError(f"GGUF tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            layer, kind = parts[1], parts[2]
-            prefix = f"model.layers.{layer}."
-            if kind in _GGUF_EXPERT_NAMES:  # (num_experts, out, in): one HF tensor per expert
-                data = _dequantized(t)
-                for e in range(data.shape[0]):
-                    name = f"{prefix}block_sparse_moe.experts.{e}.{_GGUF_EXPERT_NAMES[kind]}.weight"
-                    yield name, _to_torch(data[e])
-                continue
-            if kind not in _GGUF_LAYER_NAMES:
-                raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
-            name = prefix + _GGUF_LAYER_NAMES[kind] + ".weight"
-            if t.name in packed:
-                yield name, _packed_q4(t, kind, args, scale_dtype)
-                continue
-            yield name, _to_torch(_unpermute_gguf(kind, _dequantized(t), args))
-        elif parts[0] in _GGUF_TOP_NAMES:
-            yield _GGUF_TOP_NAMES[parts[0]] + ".weight", _to_torch(_dequantized(t))
-        else:
-            raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")

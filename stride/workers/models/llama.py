@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from stride.model.args import ModelArgs
+from stride.model.tensor_names import LAYER, TOP, load_rules
 from stride.workers.attention import AttentionContext
 from stride.workers.models.layers import (
     ColumnParallelLinear,
@@ -25,19 +26,9 @@ from stride.workers.models.layers import (
     rope_cos_sin,
 )
 
-# HF checkpoint name → (our module path, shard within a merged weight). Group 1 is the layer index.
-_LAYER_RULES: list[tuple[str, str, int]] = [
-    (r"self_attn\.q_proj", "self_attn.qkv_proj", 0),
-    (r"self_attn\.k_proj", "self_attn.qkv_proj", 1),
-    (r"self_attn\.v_proj", "self_attn.qkv_proj", 2),
-    (r"self_attn\.o_proj", "self_attn.o_proj", 0),
-    (r"mlp\.gate_proj", "mlp.gate_up_proj", 0),
-    (r"mlp\.up_proj", "mlp.gate_up_proj", 1),
-    (r"mlp\.down_proj", "mlp.down_proj", 0),
-    (r"input_layernorm", "input_layernorm", 0),
-    (r"post_attention_layernorm", "post_attention_layernorm", 0),
-]
-_TOP_RULES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+# HF checkpoint name (under model.layers.N.) → (our module path, shard within a merged weight): the one table.
+_LAYER_RULES = load_rules(LAYER)
+_TOP_RULES = {t.hf: t.module for t in TOP}
 
 
 class Attention(nn.Module):

@@ -12,16 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.model.args import ModelArgs
+from stride.model.tensor_names import MOE, load_rules
 from stride.workers.models.layers import GatedMLP
 from stride.workers.models.llama import Transformer
 
-# HF (Hub-format) Mixtral names → our modules; w1 = gate, w3 = up, w2 = down.
-MIXTRAL_RULES: list[tuple[str, str, int]] = [
-    (r"block_sparse_moe\.gate", "mlp.router", 0),
-    (r"block_sparse_moe\.experts\.(\d+)\.w1", "mlp.experts.{0}.gate_up_proj", 0),
-    (r"block_sparse_moe\.experts\.(\d+)\.w3", "mlp.experts.{0}.gate_up_proj", 1),
-    (r"block_sparse_moe\.experts\.(\d+)\.w2", "mlp.experts.{0}.down_proj", 0),
-]
+# HF (Hub-format) Mixtral names → our modules (stride.model.tensor_names: w1 = gate, w3 = up, w2 = down).
+MIXTRAL_RULES = load_rules(MOE)
 
 
 class Router(nn.Module):
