@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,16 @@ from stride.ipc.messages import TO_CLIENT, ClientOutput, Message
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 _SERVING = re.compile(r"serving (\S+) on http://([\d.]+):(\d+) .*client library: ipc://(\S+)/client\.sock")
+
+
+def wait_for(pred: Callable[[], object], timeout_s: float = 10.0) -> bool:
+    """Poll ``pred`` until it is true (returns True) or the timeout passes (returns False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())
 
 
 class StrideServer:

@@ -16,7 +16,7 @@ from stride.workers import attention
 from stride.workers.attention import AttentionMetadata, TorchPagedAttention
 from stride.workers.runner import ModelRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):

@@ -17,7 +17,7 @@ from stride.model.files import default_model_path
 from stride.workers.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A ChatML prompt in SmolLM2's vocabulary ("<|im_start|>system ... <|im_start|>assistant\n").
 CHAT_IDS = [
     1,

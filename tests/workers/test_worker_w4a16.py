@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_worker_triton import Steps, count_calls, cpu_triton
-from worker_helpers import make_runner, write_gguf
+from worker_helpers import Steps, count_calls, cpu_triton, make_runner, write_gguf
 
 from kernels.w4a16_format import W4A16Weight, dequantize, quantize
 from stride.config import WorkerConfig, quantize_group_size
@@ -21,7 +20,7 @@ from stride.workers.loader import load_model, use_w4a16
 from stride.workers.models import layers
 from stride.workers.models.layers import W4A16Linear
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 

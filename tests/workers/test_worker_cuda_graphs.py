@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_worker_triton import Steps, cpu_triton, gpu, make_checkpoint
-from worker_helpers import make_runner
+from worker_helpers import Steps, cpu_triton, gpu, make_checkpoint, make_runner
 
 from stride.workers.cuda_graphs import PDL_MAX_BATCH, DecodeGraphs, batch_buckets, context_bucket, pdl_for_batch
 from stride.workers.runner import ModelRunner

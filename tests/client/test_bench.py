@@ -166,7 +166,7 @@ def test_missing_matplotlib_fails_before_the_load(monkeypatch: pytest.MonkeyPatc
 
 
 def test_script_wrapper_runs(tmp_path: Path) -> None:
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
     with FakeServer() as server:
         proc = subprocess.run([sys.executable, str(script), "--base-url", server.url, "--num-requests", "2",
                                "--output-len", "2", "--no-progress", "--out-json", str(tmp_path / "b.json")],

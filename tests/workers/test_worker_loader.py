@@ -18,7 +18,7 @@ from worker_helpers import write_gguf
 from stride.workers import gguf_checkpoint
 from stride.workers.loader import load_model, read_model_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import zmq
+from e2e_helpers import wait_for
 
 from stride.client import (
     AsyncClient,
@@ -38,15 +38,6 @@ from stride.ipc.messages import TO_CLIENT_SERVER, ClientAbort, ClientGenerate, C
 
 PROMPT = "The three primary colors are"
 GREEDY = {"temperature": 0, "max_tokens": 12}
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def children_of(pid: int) -> list[int]:
@@ -223,9 +214,8 @@ def test_cancelling_an_async_generate_aborts_it(server: Server) -> None:
     async def main() -> None:
         async with AsyncClient.from_address_file(server.address_file) as ac:
             task = asyncio.create_task(ac.generate("Tell me everything.", max_tokens=3000, ignore_eos=True))
-            await asyncio.sleep(0.1)
-            while server.metric("stride:num_seqs_running") < 1:
-                await asyncio.sleep(0.2)
+            while server.metric("stride:num_seqs_running") < 1:  # the request is running
+                await asyncio.sleep(0.1)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

@@ -7,8 +7,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from test_frontend import MODEL, make_config, raw
-from test_frontend_fake import LiveServer
+from frontend_helpers import MODEL, LiveServer, make_config, raw
 
 from stride.frontend.auth import Authenticator, load_api_keys
 from stride.frontend.errors import ApiError

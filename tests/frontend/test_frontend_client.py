@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 from e2e_helpers import Dealer
-from test_frontend import make_config
-from test_frontend_fake import LiveServer, wait_for
+from frontend_helpers import LiveServer, make_config, wait_for
 
 from stride.ipc.messages import ClientAbort, ClientGenerate, Message
 from stride.ipc.rundir import remove_run_dir

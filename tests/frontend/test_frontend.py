@@ -11,17 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 from aiohttp import web
-from test_frontend_fake import BLOCK, LiveServer, wait_for
+from frontend_helpers import BLOCK, MODEL, LiveServer, make_config, raw, wait_for
 
-from stride.config import ServerConfig, StrideConfig
-from stride.ipc.rundir import make_ipc_config, remove_run_dir
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def make_config(**server: object) -> StrideConfig:
-    ipc = make_ipc_config()  # the default root: pytest's tmp paths are too long for unix sockets
-    return StrideConfig(ipc=ipc, server=ServerConfig(port=0, tokenizer_workers=2, **server))  # type: ignore[arg-type]
+from stride.config import StrideConfig
+from stride.ipc.rundir import remove_run_dir
 
 
 @contextlib.contextmanager
@@ -42,18 +35,6 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture
 def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-def raw(url: str, method: str, path: str, body: bytes | str | None = None,
-        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    data = body.encode() if isinstance(body, str) else body
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    out = (resp.status, dict(resp.getheaders()), resp.read())
-    conn.close()
-    return out
 
 
 def words(n: int, tag: str = "w") -> str:

@@ -100,13 +100,17 @@ def test_rope_position_zero_is_identity_and_strided_q_works():
     cos_sin = rope_cos_sin_cache(32, 8, 10000.0, device=DEVICE)
     qkv = torch.randn(3, 6 + 2 + 2, 32, device=DEVICE)
     q, k = qkv[:, :6], qkv[:, 6:8]  # views into a fused qkv output, as the worker will pass
-    before_v = qkv[:, 8:].clone()
+    before_q, before_k, before_v = q.clone(), k.clone(), qkv[:, 8:].clone()
     ref_q, ref_k = apply_rope_reference(q, k, torch.tensor([0, 3, 7], device=DEVICE), cos_sin)
     apply_rope(q, k, torch.tensor([0, 3, 7], device=DEVICE), cos_sin)
     torch.testing.assert_close(q, ref_q)
     torch.testing.assert_close(k, ref_k)
     torch.testing.assert_close(qkv[:, 8:], before_v)  # v untouched
-    torch.testing.assert_close(q[0], ref_q[0])
+    # Position 0 rotates by angle 0: the token's q and k come back as they went in.
+    torch.testing.assert_close(q[0], before_q[0])
+    torch.testing.assert_close(k[0], before_k[0])
+    # Control: the tokens at positions 3 and 7 did rotate.
+    assert not torch.allclose(q[1], before_q[1]) and not torch.allclose(k[2], before_k[2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_worker_triton import Steps, count_calls, cpu_triton, make_checkpoint
-from worker_helpers import make_runner
+from worker_helpers import Steps, count_calls, cpu_triton, make_checkpoint, make_runner
 
 import stride.workers.attention_triton as attention_triton
 from kernels import autotune as at
@@ -31,7 +30,7 @@ from stride.workers import kernel_configs
 from stride.workers.attention import TorchPagedAttention
 from stride.workers.models import layers
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAKE_GPU = "Fake GPU 141GB"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton takes CUDA tensors only
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,16 +10,16 @@ Prompts containing ``FAIL429`` / ``FAIL503`` / ``TOOLONG`` are refused; ``SLOW``
 from __future__ import annotations
 
 import asyncio
+import http.client
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from e2e_helpers import wait_for  # noqa: F401  (the frontend tests take it from here)
 
-from stride.config import StrideConfig
+from stride.config import ServerConfig, StrideConfig
 from stride.frontend.app import create_app
 from stride.ipc.messages import (
     TO_SCHEDULER,
@@ -32,6 +32,7 @@ from stride.ipc.messages import (
     TextDelta,
 )
 from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
+from stride.ipc.rundir import make_ipc_config
 
 BLOCK = 16
 STATS = SchedulerStats(num_running_seqs=1, num_waiting_seqs=2, num_blocks_live=3, num_blocks_cached=4,
@@ -189,11 +190,21 @@ class LiveServer:
         await self.runner.cleanup()
 
 
-def wait_for(pred: Callable[[], object], timeout_s: float = 10.0) -> bool:
-    """Poll ``pred`` until it is true (returns True) or the timeout passes (returns False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def make_config(**server: object) -> StrideConfig:
+    ipc = make_ipc_config()  # the default root: pytest's tmp paths are too long for unix sockets
+    return StrideConfig(ipc=ipc, server=ServerConfig(port=0, tokenizer_workers=2, **server))  # type: ignore[arg-type]
+
+
+def raw(url: str, method: str, path: str, body: bytes | str | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = body.encode() if isinstance(body, str) else body
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = (resp.status, dict(resp.getheaders()), resp.read())
+    conn.close()
+    return out

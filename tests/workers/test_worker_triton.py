@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import gc
 import os
-import runpy
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,96 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from worker_helpers import make_runner
+from worker_helpers import Steps, count_calls, cpu_triton, gpu, make_checkpoint, make_runner
 
 from stride.config import WorkerConfig
 from stride.workers.backends import get_backend
-from stride.workers.runner import ModelRunner
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[1]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-cpu_triton = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on CPU tensors need the "
-                                "interpreter, which conftest.py turns on only where CUDA is absent")
-
-
-def make_checkpoint(
-    preset: str, out: Path, dtype: torch.dtype, num_layers: int = 0, device: str = "cpu"
-) -> Path:
-    make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
-    cfg = dict(make["PRESETS"][preset])
-    if num_layers:
-        cfg["num_hidden_layers"] = num_layers
-    return Path(make["write_checkpoint"](cfg, out, dtype, seed=5, device=device))
-
-
-class Steps:
-    """A fixed schedule of mixed steps over shuffled blocks, replayable on any runner.
-
-    Three sequences: A (prefill 20), B (prefill 37 in two chunks), C (prefill 9, joins late); decodes of
-    the running ones ride in the same steps as the chunks; the last steps are decode-only.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, vocab: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.tables = rng.permutation(num_blocks)[: 3 * 12].astype(np.int32).reshape(3, 12)
-        self.block_size = block_size
-        self.prompts = [rng.integers(0, vocab, n) for n in (20, 37, 9)]
-        # Each step: (slot, number of new tokens) per sequence; a decode is 1 token.
-        self.schedule = [
-            [(0, 20), (1, 16)],
-            [(0, 1), (1, 21)],
-            [(0, 1), (1, 1), (2, 9)],
-            [(0, 1), (1, 1), (2, 1)],
-            [(2, 1), (0, 1), (1, 1)],
-        ]
-        self.extra = rng.integers(0, vocab, 64)
-
-    def run(self, runner: ModelRunner, context_shift: int = 0) -> list[torch.Tensor]:
-        """Logits of every step. ``context_shift`` (negative control) moves every decode that many positions
-        back: it overwrites an earlier key and attends to only the keys before it (the prompt stays whole)."""
-        lengths = [0, 0, 0]
-        out = []
-        for step in self.schedule:
-            ids, pos, slots, q_lens, ctx = [], [], [], [], []
-            for slot, n in step:
-                prompt = self.prompts[slot]
-                lo = lengths[slot]
-                k = lo - len(prompt)
-                new = prompt[lo : lo + n] if k < 0 else self.extra[k : k + n]
-                ids.append(new)
-                start = lo - context_shift if n == 1 else lo
-                pos.append(np.arange(start, start + n))
-                lengths[slot] += n
-                slots.append(slot)
-                q_lens.append(n)
-                ctx.append(start + n)
-            out.append(
-                runner.forward(
-                    np.concatenate(ids).astype(np.int32),
-                    np.concatenate(pos).astype(np.int32),
-                    np.array(slots, np.int32),
-                    np.array(q_lens, np.int32),
-                    np.array(ctx, np.int32),
-                    self.tables,
-                )
-            )
-        return out
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> dict[str, int]:
-    """Count calls of ``module.name`` (a function looked up through ``module`` at call time)."""
-    calls = {"n": 0}
-    real: Callable[..., Any] = getattr(module, name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, wrapped)
-    return calls
-
-
+ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("tiny-llama", tmp_path_factory.mktemp("tiny-llama"), torch.float32)

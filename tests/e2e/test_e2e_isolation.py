@@ -17,20 +17,20 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from e2e_helpers import Dealer, StrideServer
+from e2e_helpers import Dealer, StrideServer, wait_for
 
 from stride.client import Client
 from stride.client.common import BadRequestError
 from stride.ipc.codec import encode
 from stride.ipc.messages import ClientGenerate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 128
 MAX_PROMPT_CHARS = 4_000_000
 BUSY_PROMPT = "word " * 700_000  # 3.5M characters: about two seconds of one tokenizer's time
@@ -51,15 +51,6 @@ def vocab(server: StrideServer) -> int:
     from stride.model.files import default_model_path
     from stride.tokenizer.loader import load_tokenizer
     return load_tokenizer(default_model_path()).vocab_size
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
 
 
 def idle(server: StrideServer) -> bool:
@@ -160,7 +151,7 @@ def test_seeds_are_64_bit_and_n_does_not_overflow_them(server: StrideServer) -> 
     assert texts(-1) == top  # the same seed modulo 2**64
     code, _, data = server.post(C, body_of(server, seed=2**64, n=2))
     assert code == 400 and json.loads(data)["error"]["param"] == "seed", data
-    assert wait_until(lambda: idle(server), 5), "a sequence stayed running"
+    assert wait_for(lambda: idle(server), 5), "a sequence stayed running"
 
 
 # ------------------------------------------------------------------ 4. one owner for cancellation
@@ -171,9 +162,9 @@ def test_abort_reaches_a_request_behind_a_busy_tokenizer(server: StrideServer) -
     # Control: a stream the client keeps shows as running; hanging up frees it within a step or so.
     conn, _ = open_stream(server, long)
     assert read_first_event(conn).startswith(b"data: ")
-    assert wait_until(lambda: server.metric("stride:num_seqs_running") == 1, 5)
+    assert wait_for(lambda: server.metric("stride:num_seqs_running") == 1, 5)
     hang_up(conn)
-    assert wait_until(lambda: idle(server), 5)
+    assert wait_for(lambda: idle(server), 5)
     # The busy tokenizer: a huge prompt first (refused once tokenized: it cannot fit the context), then a
     # stream whose client hangs up while it still waits behind that prompt.
     answer: list[int] = []
@@ -186,7 +177,7 @@ def test_abort_reaches_a_request_behind_a_busy_tokenizer(server: StrideServer) -
     busy.join(60)
     assert answer == [400]
     # Before the fix the abandoned stream ran to max_tokens (5 s and more on this CPU) with nobody listening.
-    assert wait_until(lambda: idle(server), 3)
+    assert wait_for(lambda: idle(server), 3)
     assert stays_idle(server, 3)
 
 
@@ -196,13 +187,13 @@ def test_abort_reaches_a_waiting_request(server: StrideServer) -> None:
     for conn in running:
         assert read_first_event(conn).startswith(b"data: ")
     waiting, _ = open_stream(server, long)
-    assert wait_until(lambda: server.metric("stride:num_requests_waiting") == 1, 5)
+    assert wait_for(lambda: server.metric("stride:num_requests_waiting") == 1, 5)
     hang_up(waiting)
-    assert wait_until(lambda: server.metric("stride:num_requests_waiting") == 0, 5)
+    assert wait_for(lambda: server.metric("stride:num_requests_waiting") == 0, 5)
     assert server.metric("stride:num_seqs_running") == 2  # control: only the one that hung up is gone
     for conn in running:
         hang_up(conn)
-    assert wait_until(lambda: idle(server), 5)
+    assert wait_for(lambda: idle(server), 5)
 
 
 # ------------------------------------------------------------------ 5. context arithmetic
@@ -407,7 +398,7 @@ def test_fuzz_of_malformed_requests(server: StrideServer) -> None:
     assert len(cases) + len(frames) >= 300, len(cases) + len(frames)
     assert server.get("/health")[0] == 200
     assert greedy(server) == reference  # the server still answers, and correctly
-    assert wait_until(lambda: idle(server), 5)
+    assert wait_for(lambda: idle(server), 5)
 
 
 # ------------------------------------------------------------------ 3. no process outlives its launch
@@ -431,9 +422,9 @@ def test_sigkill_of_the_launcher_leaves_nothing() -> None:
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()
-        assert wait_until(lambda: not any(_alive(p) for p in children.values()), 5), \
+        assert wait_for(lambda: not any(_alive(p) for p in children.values()), 5), \
             {n: p for n, p in children.items() if _alive(p)}
-        assert wait_until(lambda: not srv.shm_segments() and not os.path.exists(srv.run_dir), 5), \
+        assert wait_for(lambda: not srv.shm_segments() and not os.path.exists(srv.run_dir), 5), \
             (srv.shm_segments(), srv.run_dir)
         with socket.socket() as s:  # the port is free again
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

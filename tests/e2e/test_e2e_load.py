@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from e2e_helpers import StrideServer
+from e2e_helpers import StrideServer, wait_for
 
 KEYS = {"A": "key-alpha-1234", "B": "key-beta-5678"}
 # About 150 tokens: nine full 16-token blocks and a partial one.
@@ -119,14 +118,9 @@ def test_concurrent_streams_with_disconnects_leave_no_live_blocks(server: Stride
             assert (how, chunks) == ("done:length", 16), (i, how, chunks)
     assert peak > 0  # control: the gauge does show blocks while sequences run
     # The hung-up requests asked for 400 tokens each; only their abort can free their blocks this soon.
-    deadline = time.monotonic() + 10.0
-    live = running = -1.0
-    while time.monotonic() < deadline:
-        time.sleep(0.6)  # the scheduler publishes its stats every half second
-        live, running = server.metric("stride:kv_blocks_live"), server.metric("stride:num_seqs_running")
-        if live == 0 and running == 0:
-            break
-    assert (live, running) == (0, 0), server.tail()
+    # The scheduler publishes its stats every half second: wait for a snapshot with nothing live.
+    assert wait_for(lambda: (server.metric("stride:kv_blocks_live"), server.metric("stride:num_seqs_running"))
+                    == (0, 0), 10), server.tail()
     assert server.metric("stride:num_requests_running") == 0
     assert server.metric("stride:kv_blocks_cached") > 0  # the finished prompts stay indexed
     code, _, data = server.post("/v1/completions", {"model": server.model, "prompt": "hi", "max_tokens": 2},

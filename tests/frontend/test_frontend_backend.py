@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import zmq
 
@@ -14,6 +13,13 @@ from stride.ipc.queues import RECEIVE_BURST
 from stride.ipc.rundir import make_ipc_config, remove_run_dir
 
 FLOOD = 600
+
+
+def flush(ctx: zmq.Context, sock: zmq.Socket) -> None:
+    """Block (and so keep the event loop from running) until everything ``sock`` was given has been sent: closing
+    with an infinite linger and ending its context waits for exactly that."""
+    sock.close(linger=-1)
+    ctx.term()
 
 
 async def _first_wakeup_backlog() -> tuple[int, list[str]]:
@@ -46,12 +52,13 @@ async def _first_wakeup_backlog() -> tuple[int, list[str]]:
         for i in range(FLOOD):
             push.send(encode(TextDelta(req_id="r-0", text=f"t{i}", token_ids=[i],
                                        finish_reason="length" if i == FLOOD - 1 else None)))
-        time.sleep(0.5)  # blocks the loop: every delta reaches the socket before the receiver's first turn
+        flush(ctx, push)  # every delta is on its way before the receiver's first turn
         await asyncio.wait_for(task, 10)
         return backlog[0], texts
     finally:
-        push.close(linger=0)
-        ctx.term()
+        if not push.closed:
+            push.close(linger=0)
+            ctx.term()
         await backend.stop()
         remove_run_dir(ipc)
 
@@ -83,7 +90,7 @@ async def _client_first_wakeup_backlog() -> tuple[int, int]:
         for i in range(FLOOD):
             router.send_multipart([identity, encode(ClientOutput(
                 req_id=req_id, text=f"t{i}", token_ids=[i], finish_reason="length" if i == FLOOD - 1 else None))])
-        time.sleep(0.5)  # blocks the loop: every output reaches the client's socket before its reader runs
+        flush(ctx, router)  # every output is on its way before the client's reader runs
         await queue.get()
         backlog = queue.qsize() + 1
         read = 1
@@ -94,8 +101,9 @@ async def _client_first_wakeup_backlog() -> tuple[int, int]:
                 return backlog, read
     finally:
         await client.close()
-        router.close(linger=0)
-        ctx.term()
+        if not router.closed:
+            router.close(linger=0)
+            ctx.term()
 
 
 def test_async_client_reader_yields_during_a_flood() -> None:
