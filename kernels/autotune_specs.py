@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import paged_attention as pa
+from kernels import paged_decode as pd
+from kernels import paged_extend as pe
 from kernels import rmsnorm as rn
 from kernels import silu_mul as sm
 from kernels import w4a16 as wq
@@ -86,26 +87,26 @@ def _decode_gate_shapes(shape: DecodeShape) -> list[DecodeShape]:
             for c in sorted(e for e in edges if 1 <= e <= shape.context_len)] + [shape]
 
 
-def _decode_run(cfg: pa.DecodeConfig, p: Problem) -> torch.Tensor:
-    return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+def _decode_run(cfg: pd.DecodeConfig, p: Problem) -> torch.Tensor:
+    return pd.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
                            p["scale"], max_context_len=p["max_context_len"], config=cfg)
 
 
 def _decode_reference(p: Problem) -> torch.Tensor:
-    return pa.paged_decode_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+    return pd.paged_decode_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
                                      p["scale"])
 
 
-def _decode_space(shape: DecodeShape) -> list[pa.DecodeConfig]:
+def _decode_space(shape: DecodeShape) -> list[pd.DecodeConfig]:
     parts = [0] + [p for p in (128, 256, 512, 1024, 2048) if p < shape.context_len]
-    return [pa.DecodeConfig(block_n=bn, partition=part, num_warps=w, num_stages=st)
+    return [pd.DecodeConfig(block_n=bn, partition=part, num_warps=w, num_stages=st)
             for bn in (32, 64) for part in parts for w in (2, 4) for st in (2, 3)]
 
 
 PAGED_DECODE = KernelSpec(
-    name="paged_decode", config_type=pa.DecodeConfig, space=_decode_space, gate_shapes=_decode_gate_shapes,
+    name="paged_decode", config_type=pd.DecodeConfig, space=_decode_space, gate_shapes=_decode_gate_shapes,
     make_problem=_decode_problem, run=_decode_run, reference=_decode_reference,
-    cost=lambda cfg, s: float(pa.workspace_bytes(s.num_seqs, s.num_heads, s.head_dim, s.context_len, cfg)),
+    cost=lambda cfg, s: float(pd.workspace_bytes(s.num_seqs, s.num_heads, s.head_dim, s.context_len, cfg)),
     bucket=lambda s: (f"b{next_pow2(s.num_seqs)}-ctx{next_pow2(s.context_len)}-h{s.num_heads}"
                       f"-kv{s.num_kv_heads}-d{s.head_dim}-p{s.block_size}-{str(s.dtype)[6:]}"),
 )
@@ -143,19 +144,19 @@ def _extend_gate_shapes(shape: ExtendShape) -> list[ExtendShape]:
     return [dataclasses.replace(shape, num_seqs=3, query_len=q, context_len=c) for q, c in small] + [shape]
 
 
-def _extend_run(cfg: pa.ExtendConfig, p: Problem) -> torch.Tensor:
-    return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+def _extend_run(cfg: pe.ExtendConfig, p: Problem) -> torch.Tensor:
+    return pe.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
                            p["context_lens"], p["scale"], max_query_len=p["max_query_len"], config=cfg)
 
 
 def _extend_reference(p: Problem) -> torch.Tensor:
-    return pa.paged_extend_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+    return pe.paged_extend_reference(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
                                      p["context_lens"], p["scale"])
 
 
 PAGED_EXTEND = KernelSpec(
-    name="paged_extend", config_type=pa.ExtendConfig,
-    space=lambda s: [pa.ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+    name="paged_extend", config_type=pe.ExtendConfig,
+    space=lambda s: [pe.ExtendConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                      for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)
                      if bm * bn <= 8192],
     gate_shapes=_extend_gate_shapes, make_problem=_extend_problem, run=_extend_run, reference=_extend_reference,
@@ -283,11 +284,11 @@ SILU_MUL = KernelSpec(
 # ---- negative controls: broken variants the gate must reject ----
 
 
-def broken_off_by_one_mask(cfg: pa.DecodeConfig | None = None) -> Candidate:
+def broken_off_by_one_mask(cfg: pd.DecodeConfig | None = None) -> Candidate:
     """Decode whose key mask stops one short (``<`` where ``<=`` was meant): the last key is dropped."""
     def run(p: Problem) -> torch.Tensor:
         short = p["context_lens"] - 1
-        return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], short, p["scale"],
+        return pd.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], short, p["scale"],
                                max_context_len=p["max_context_len"], config=cfg)
     return Candidate("broken:off_by_one_mask", run, cfg)
 
@@ -299,11 +300,11 @@ def _table_stride_one_short(block_tables: torch.Tensor) -> torch.Tensor:
     return bt.as_strided(bt.shape, (bt.shape[1] - 1, 1))
 
 
-def broken_block_table_stride(cfg: pa.DecodeConfig | None = None) -> Candidate:
+def broken_block_table_stride(cfg: pd.DecodeConfig | None = None) -> Candidate:
     """Decode reading the block table with a row stride one short (:func:`_table_stride_one_short`)."""
     def run(p: Problem) -> torch.Tensor:
         bad = _table_stride_one_short(p["block_tables"])
-        return pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], bad, p["context_lens"], p["scale"],
+        return pd.paged_decode(p["q"], p["k_cache"], p["v_cache"], bad, p["context_lens"], p["scale"],
                                max_context_len=p["max_context_len"], config=cfg)
     return Candidate("broken:block_table_stride", run, cfg)
 
@@ -317,22 +318,22 @@ def broken_dropped_scale(cfg: w4p.W4A16Config | None = None) -> Candidate:
     return Candidate("broken:dropped_scale", run, cfg)
 
 
-def broken_extend_block_table_stride(cfg: pa.ExtendConfig | None = None) -> Candidate:
+def broken_extend_block_table_stride(cfg: pe.ExtendConfig | None = None) -> Candidate:
     """Extend reading the block table with a row stride one short (:func:`_table_stride_one_short`)."""
     def run(p: Problem) -> torch.Tensor:
         bad = _table_stride_one_short(p["block_tables"])
-        return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], bad, p["cu_query_lens"], p["context_lens"],
+        return pe.paged_extend(p["q"], p["k_cache"], p["v_cache"], bad, p["cu_query_lens"], p["context_lens"],
                                p["scale"], max_query_len=p["max_query_len"], config=cfg)
     return Candidate("broken:extend_block_table_stride", run, cfg)
 
 
-def broken_extend_causal_shift(cfg: pa.ExtendConfig | None = None) -> Candidate:
+def broken_extend_causal_shift(cfg: pe.ExtendConfig | None = None) -> Candidate:
     """Extend that places each chunk one position early (contexts one short, the chunk's last key unseen by
     every query; a cached prefix of at least one token keeps it in bounds)."""
     def run(p: Problem) -> torch.Tensor:
         q_lens = p["cu_query_lens"][1:] - p["cu_query_lens"][:-1]
         short = torch.maximum(p["context_lens"] - 1, q_lens)
-        return pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"], short,
+        return pe.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"], short,
                                p["scale"], max_query_len=p["max_query_len"], config=cfg)
     return Candidate("broken:extend_causal_shift", run, cfg)
 

@@ -214,7 +214,7 @@ def _w4a16_kernel(
         # One row per program: each K step's weights are loaded as a whole (:func:`_step_loads`: words, and scales
         # and mins after them or, ``SCALES_FIRST``, before) ahead of its arithmetic. ptxas keeps that order of the
         # loads while it places them among the FMAs; loading each word tile just before its use (as several rows
-        # still do) was slower on an H200 at every Llama-3.1-8B shape (docs/perf.md). A program of one K step
+        # still do) was slower on an H200 at every Llama-3.1-8B shape (docs/perf-log.md). A program of one K step
         # (``ONE_STEP``: o and qkv at 8B shapes, SmolLM2's projections) is one block: under PDL its weights are
         # loaded before the wait (no kernel of a forward writes weights), so they are in flight while the kernel
         # before finishes. Programs of several steps wait first (with their first step loaded before the wait, down
@@ -314,7 +314,7 @@ def _w4a16_kernel(
             # Ready for the next call. A plain store: every split of this tile has counted, so nothing else in this
             # grid touches the counter, and the next grid on the stream sees it (after its PDL wait, if chained). An
             # atomic exchange (acq_rel) cost a fence and a round trip to L2 at the end of every output tile: on an
-            # H200, Llama-3.1-8B's down at M=1 took 0.5 us longer that way (docs/perf.md).
+            # H200, Llama-3.1-8B's down at M=1 took 0.5 us longer that way (docs/perf-log.md).
             tl.store(count_ptr + tile, 0)
 
 

@@ -36,7 +36,7 @@ class W4A16Config:
     partials (an arrival counter per tile), so a call is always a single launch.
     scales_first (one-row GEMV): a step loads its groups' scales and mins before its words, not after. Only the
     order of the loads changes, and with it where ptxas places them: on an H200 scales first was 6% faster for
-    Llama-3.1-8B's down (K split 4 ways) and 7% slower for gate_up (docs/perf.md).
+    Llama-3.1-8B's down (K split 4 ways) and 7% slower for gate_up (docs/perf-log.md).
     """
 
     block_m: int = 16
@@ -52,13 +52,13 @@ class W4A16Config:
 
 DEQUANT_MIN_ROWS = 17
 """Rows from which :func:`w4a16_matmul` expands W into a scratch matrix and calls cuBLAS. H200, Llama-3.1-8B
-layer (docs/perf.md): at 16 rows the 4-bit tiles are faster (230 vs 273 us), from 32 the expansion (273 vs 317;
+layer (docs/perf-log.md): at 16 rows the 4-bit tiles are faster (230 vs 273 us), from 32 the expansion (273 vs 317;
 1,421 vs 7,543 us at 2,048 rows)."""
 
 TILE_MIN_PROGRAMS = 128
 """Below :data:`DEQUANT_MIN_ROWS`, rows on the tile kernel (by default 9-16, past the GEMV) are still expanded
 when it would run fewer programs than this: each program walks its K range one 32-input group at a time, so a grid
-that does not fill the GPU is bound by that chain. H200 (docs/perf.md), 16 rows: SmolLM2-135M's projections
+that does not fill the GPU is bound by that chain. H200 (docs/perf-log.md), 16 rows: SmolLM2-135M's projections
 (5-24 programs) took 21-31 us on the tiles against 5.4-6.8 us expanded; Llama-3.1-8B's (256-448 programs) were
 faster on the tiles."""
 
@@ -66,7 +66,7 @@ faster on the tiles."""
 
 def default_config(m: int, n: int, k: int, group_size: int = 32) -> W4A16Config:
     """The GEMV up to 8 rows, 32 columns per program; tensor-core tiles above, in row blocks of 16, 64 or 128. From
-    H200 sweeps at Llama-3.1-8B shapes (docs/perf.md).
+    H200 sweeps at Llama-3.1-8B shapes (docs/perf-log.md).
 
     One row: with 512 or more column tiles (gate_up) the K loop steps 2,048 inputs at a time over 8 warps;
     with fewer (qkv, o, down) every program takes one or two long steps of up to 4,096 inputs over 8 warps,

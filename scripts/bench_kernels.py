@@ -26,7 +26,9 @@ import triton.testing
 
 from kernels import autotune as at
 from kernels import autotune_specs as specs
-from kernels import paged_attention as pa
+from kernels import paged_common as pc
+from kernels import paged_decode as pd
+from kernels import paged_extend as pe
 from kernels import rmsnorm as rn
 from kernels import w4a16 as wq
 from kernels import w4a16_format as w4f
@@ -103,7 +105,7 @@ def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator) -
 def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
                  shapes: list[tuple[int, int]] | None = None, wide: bool = False) -> None:
     block_ns, warps = ((32, 64, 128), (4, 8)) if wide else ((32, 64), (4,))
-    space = lambda s: [pa.DecodeConfig(bn, part, w, st) for bn in block_ns for w in warps  # noqa: E731
+    space = lambda s: [pd.DecodeConfig(bn, part, w, st) for bn in block_ns for w in warps  # noqa: E731
                        for st in (2, 3) for part in (0, 256, 512, 1024) if part < s.context_len]
     spec = dataclasses.replace(specs.PAGED_DECODE, space=space)
     gen = torch.Generator().manual_seed(0)
@@ -116,7 +118,7 @@ def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
         sets = decode_sets(batch, ctx, rotate_bytes, gen)
         nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
         shape = specs.DecodeShape(batch, HEADS, KV_HEADS, HEAD_DIM, PAGE, ctx, torch.bfloat16)
-        default_cfg = pa.default_decode_config(batch, KV_HEADS, ctx)
+        default_cfg = pd.default_decode_config(batch, KV_HEADS, ctx)
         ms_default = bench_over(partial(specs.PAGED_DECODE.run, default_cfg), sets)
         # The tuner times under CUDA graphs, so compare the default the same way.
         ms_default_graph = graph_over(partial(specs.PAGED_DECODE.run, default_cfg), sets)
@@ -155,13 +157,13 @@ def bench_extend(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune
             sets.append(specs.make_paged_problem([ctx] * seqs, [chunk] * seqs, HEADS, KV_HEADS, HEAD_DIM, PAGE,
                                                  torch.bfloat16, gen, CUDA))
         flops = 4 * HEAD_DIM * HEADS * seqs * (chunk * (ctx - chunk) + chunk * (chunk + 1) // 2)
-        default_cfg = pa.ExtendConfig()
+        default_cfg = pe.ExtendConfig()
         ms = graph_over(partial(specs.PAGED_EXTEND.run, default_cfg), sets)
-        pa.ROUND_P_BEFORE_PV = True  # one bf16 P@V instead of hi + lo: what the exact rounding costs
+        pc.ROUND_P_BEFORE_PV = True  # one bf16 P@V instead of hi + lo: what the exact rounding costs
         try:
             ms_rounded = graph_over(partial(specs.PAGED_EXTEND.run, default_cfg), sets)
         finally:
-            pa.ROUND_P_BEFORE_PV = False
+            pc.ROUND_P_BEFORE_PV = False
         row = {"seqs": seqs, "chunk": chunk, "ctx": ctx, "flops": flops, "default_ms": ms,
                "default_tflop_s": flops / ms / 1e9, "p_rounded_ms": ms_rounded,
                "default_config": dataclasses.asdict(default_cfg)}

@@ -62,7 +62,7 @@ PDL = EnvVar(
     "'1' (default): capture the worker's decode graphs of up to 8 sequences with programmatic dependent launch "
     "(Hopper and later): each Triton kernel is launched while the one before finishes. '0': plain stream order. "
     "H200, batch-1 step from graphs: 5% less GPU time for an 8B 4-bit model, a third less for SmolLM2-135M "
-    "(docs/perf.md).")
+    "(docs/perf-log.md).")
 
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",

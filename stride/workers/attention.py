@@ -206,7 +206,7 @@ def _sdpa(
 
     Computed in float32 from the (bf16/fp16) inputs and rounded once, at the output: a 16-bit SDPA rounds
     inside (the probabilities before P@V, each kernel at its own places), and the Triton backend must be
-    able to agree with the reference to that one rounding (see ``kernels/paged_attention.py``).
+    able to agree with the reference to that one rounding (see ``kernels/paged_decode.py``).
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     out = F.scaled_dot_product_attention(

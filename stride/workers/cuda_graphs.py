@@ -59,7 +59,7 @@ MIN_CONTEXT = 256
 PDL_MAX_BATCH = 8
 """Largest batch bucket captured with programmatic dependent launch, where PDL is allowed (``STRIDE_PDL``, on by
 default). Up to 8 rows every projection is the W4A16 GEMV, so a step is one chain of Triton kernels that each
-start while the one before finishes. H200 (docs/perf.md), batch-1 step, GPU time: SmolLM2-135M 0.88 -> 0.58 ms,
+start while the one before finishes. H200 (docs/perf-log.md), batch-1 step, GPU time: SmolLM2-135M 0.88 -> 0.58 ms,
 Llama-3.1-8B 4-bit 2.34 -> 2.22 ms; at 16 and 64 rows (cuBLAS GEMMs between the kernels) 1% slower, and the
 SmolLM2 worker end to end 6-10% slower at 16, so larger buckets are captured plainly."""
 

@@ -40,7 +40,7 @@ class KernelConfigs:
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
-        """:class:`kernels.paged_attention.DecodeConfig` for a decode-only step, or None."""
+        """:class:`kernels.paged_decode.DecodeConfig` for a decode-only step, or None."""
         # The bucket rounds batch and context up to powers of two; so does this key.
         key = ("decode", next_pow2(num_seqs), next_pow2(max_context_len), num_heads, num_kv_heads, head_dim,
                block_size, dtype)
@@ -51,7 +51,7 @@ class KernelConfigs:
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         max_query_len: int, max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
-        """:class:`kernels.paged_attention.ExtendConfig` for a step with prefill chunks, or None."""
+        """:class:`kernels.paged_extend.ExtendConfig` for a step with prefill chunks, or None."""
         key = ("extend", next_pow2(num_seqs), next_pow2(max_query_len), next_pow2(max_context_len), num_heads,
                num_kv_heads, head_dim, block_size, dtype)
         return self._config(specs.PAGED_EXTEND, key, lambda: specs.ExtendShape(

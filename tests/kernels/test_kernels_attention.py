@@ -6,18 +6,12 @@ On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing `
 import pytest
 import torch
 
-from kernels import paged_attention as pa
+from kernels import paged_common
 from kernels.autotune import compare
 from kernels.autotune_specs import make_paged_problem
 from kernels.common import interpreting
-from kernels.paged_attention import (
-    DecodeConfig,
-    ExtendConfig,
-    paged_decode,
-    paged_decode_reference,
-    paged_extend,
-    paged_extend_reference,
-)
+from kernels.paged_decode import DecodeConfig, paged_decode, paged_decode_reference
+from kernels.paged_extend import ExtendConfig, paged_extend, paged_extend_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -187,6 +181,6 @@ def test_16bit_kernels_round_once(case, dtype, monkeypatch):
     ref16 = paged_extend_reference(**{k: v for k, v in p.items() if k in _REF_ARGS})
     assert torch.equal(ref16, ref32.to(dtype))
     # Negative control: the same kernel rounding P to the cache dtype before one P@V dot fails the check.
-    monkeypatch.setattr(pa, "ROUND_P_BEFORE_PV", True)
+    monkeypatch.setattr(paged_common, "ROUND_P_BEFORE_PV", True)
     ok, why = rounded_once(run(p), ref32, v_absmax)
     assert not ok, why

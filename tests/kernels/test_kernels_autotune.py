@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from kernels import paged_attention as pa
+from kernels import paged_decode as pd
+from kernels import paged_extend as pe
 from kernels import rmsnorm as rn
 from kernels import w4a16_policy as w4p
 from kernels.autotune import AutotuneCache, Candidate, Point, cached_config, choose, gate, pareto_front, tune
@@ -43,7 +44,7 @@ EXTEND_SHAPE = ExtendShape(num_seqs=2, num_heads=4, num_kv_heads=2, head_dim=16,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_accepts_real_decode_configs(dtype):
     shape = dataclasses.replace(DECODE_SHAPE, dtype=dtype)
-    for cfg in (pa.DecodeConfig(block_n=16, partition=0), pa.DecodeConfig(block_n=16, partition=16)):
+    for cfg in (pd.DecodeConfig(block_n=16, partition=0), pd.DecodeConfig(block_n=16, partition=16)):
         result = gate(PAGED_DECODE, PAGED_DECODE.candidate(cfg), shape, DEVICE)
         assert result.ok, result.detail
 
@@ -52,7 +53,7 @@ def test_gate_accepts_real_decode_configs(dtype):
 @pytest.mark.parametrize("make_broken", [broken_off_by_one_mask, broken_block_table_stride])
 def test_gate_rejects_broken_decode_variants(dtype, make_broken):
     shape = dataclasses.replace(DECODE_SHAPE, dtype=dtype)
-    for cfg in (pa.DecodeConfig(block_n=16, partition=0), pa.DecodeConfig(block_n=16, partition=16)):
+    for cfg in (pd.DecodeConfig(block_n=16, partition=0), pd.DecodeConfig(block_n=16, partition=16)):
         result = gate(PAGED_DECODE, make_broken(cfg), shape, DEVICE)
         assert not result.ok
 
@@ -66,7 +67,7 @@ def test_gate_rejects_dropped_scale_and_accepts_real_gemm():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_accepts_real_extend_configs_and_rejects_broken_ones(dtype):
     shape = dataclasses.replace(EXTEND_SHAPE, dtype=dtype)
-    for cfg in (pa.ExtendConfig(block_m=16, block_n=16), pa.ExtendConfig(block_m=32, block_n=16)):
+    for cfg in (pe.ExtendConfig(block_m=16, block_n=16), pe.ExtendConfig(block_m=32, block_n=16)):
         result = gate(PAGED_EXTEND, PAGED_EXTEND.candidate(cfg), shape, DEVICE)
         assert result.ok, result.detail
         for make_broken in (broken_extend_block_table_stride, broken_extend_causal_shift):
@@ -114,14 +115,14 @@ def test_tune_rejects_controls_chooses_and_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("STRIDE_AUTOTUNE_CACHE", str(tmp_path / "tune.json"))
     spec = dataclasses.replace(
         PAGED_DECODE,
-        space=lambda s: [pa.DecodeConfig(block_n=16, partition=0), pa.DecodeConfig(block_n=16, partition=16)])
+        space=lambda s: [pd.DecodeConfig(block_n=16, partition=0), pd.DecodeConfig(block_n=16, partition=16)])
     fake_ms = itertools.count(1.0)
     timer = lambda fn: (fn(), next(fake_ms))[1]  # noqa: E731 - deterministic stand-in for the CUDA timer
     controls = [broken_off_by_one_mask(), broken_block_table_stride()]
     result = tune(spec, DECODE_SHAPE, DEVICE, timer=timer, extra_candidates=controls, seed=1)
     assert set(result.rejected) == {"broken:off_by_one_mask", "broken:block_table_stride"}
     # Faster and needs no workspace.
-    assert result.chosen.candidate.config == pa.DecodeConfig(block_n=16, partition=0)
+    assert result.chosen.candidate.config == pd.DecodeConfig(block_n=16, partition=0)
 
     cache = AutotuneCache(default_cache_path())  # STRIDE_AUTOTUNE_CACHE, as the worker reads it
     assert cache.path == tmp_path / "tune.json"
@@ -130,7 +131,7 @@ def test_tune_rejects_controls_chooses_and_caches(tmp_path, monkeypatch):
               spec.bucket(DECODE_SHAPE), result.chosen)
     cache.save()
     reloaded = AutotuneCache(default_cache_path())
-    assert cached_config(spec, DECODE_SHAPE, DEVICE, reloaded) == pa.DecodeConfig(block_n=16, partition=0)
+    assert cached_config(spec, DECODE_SHAPE, DEVICE, reloaded) == pd.DecodeConfig(block_n=16, partition=0)
     # Another shape bucket (longer contexts) is not served the same entry.
     assert cached_config(spec, dataclasses.replace(DECODE_SHAPE, context_len=4000), DEVICE, reloaded) is None
     data = json.loads((tmp_path / "tune.json").read_text())

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import paged_attention as pa
+from kernels import paged_decode as pd
+from kernels import paged_extend as pe
 from kernels.autotune import compare, gate
 from kernels.autotune_specs import (
     PAGED_DECODE,
@@ -32,7 +33,7 @@ def _problem(context_lens, query_lens, dtype, seed):
     return make_paged_problem(context_lens, query_lens, HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, gen, CUDA)
 
 
-CONFIGS = [None, pa.DecodeConfig(64, 0), pa.DecodeConfig(32, 128), pa.DecodeConfig(64, 256, 8)]
+CONFIGS = [None, pd.DecodeConfig(64, 0), pd.DecodeConfig(32, 128), pd.DecodeConfig(64, 256, 8)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -40,9 +41,9 @@ CONFIGS = [None, pa.DecodeConfig(64, 0), pa.DecodeConfig(32, 128), pa.DecodeConf
 def test_decode_up_to_64_pages(dtype, tol, cfg):
     lens = [1, 15, 16, 17, 333, 1000, 1023, 64 * PAGE]
     p = _problem(lens, [1] * len(lens), dtype, seed=len(str(cfg)))
-    out = pa.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
+    out = pd.paged_decode(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"],
                           p["scale"], config=cfg)
-    ref = pa.paged_decode_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
+    ref = pd.paged_decode_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
                                     p["block_tables"], p["context_lens"], p["scale"])
     assert (out.double() - ref).abs().max().item() <= tol
 
@@ -51,9 +52,9 @@ def test_decode_up_to_64_pages(dtype, tol, cfg):
 def test_extend_matches_reference_and_chunks_equal_one_shot(dtype, tol):
     total = 64 * PAGE - 5
     p = _problem([total, 300, 77], [total, 45, 1], dtype, seed=3)
-    ref = pa.paged_extend_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
+    ref = pe.paged_extend_reference(p["q"].double(), p["k_cache"].double(), p["v_cache"].double(),
                                     p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"])
-    out = pa.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
+    out = pe.paged_extend(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["cu_query_lens"],
                           p["context_lens"], p["scale"])
     assert (out.double() - ref).abs().max().item() <= tol
     one_shot = out[:total]
@@ -62,7 +63,7 @@ def test_extend_matches_reference_and_chunks_equal_one_shot(dtype, tol):
         done += n
         cu = torch.tensor([0, n], dtype=torch.int32, device=CUDA)
         ctx = torch.tensor([done], dtype=torch.int32, device=CUDA)
-        pieces.append(pa.paged_extend(p["q"][done - n:done], p["k_cache"], p["v_cache"],
+        pieces.append(pe.paged_extend(p["q"][done - n:done], p["k_cache"], p["v_cache"],
                                       p["block_tables"][:1], cu, ctx, p["scale"]))
     assert done == total
     chunk_err = (torch.cat(pieces).double() - one_shot.double()).abs().max().item()
@@ -113,7 +114,7 @@ def test_rmsnorm_at_model_width():
 
 def test_gate_rejects_broken_variants_when_compiled():
     shape = DecodeShape(8, HEADS, KV_HEADS, HEAD_DIM, PAGE, 700, torch.bfloat16)
-    for cfg in (pa.DecodeConfig(64, 0), pa.DecodeConfig(64, 128)):
+    for cfg in (pd.DecodeConfig(64, 0), pd.DecodeConfig(64, 128)):
         assert gate(PAGED_DECODE, PAGED_DECODE.candidate(cfg), shape, CUDA).ok
         assert not gate(PAGED_DECODE, broken_off_by_one_mask(cfg), shape, CUDA).ok
         assert not gate(PAGED_DECODE, broken_block_table_stride(cfg), shape, CUDA).ok
@@ -145,7 +146,7 @@ def test_pdl_chain_in_a_graph_equals_eager():
     gemv = W4A16Config(block_m=2, block_n=32, block_k=256, split_k=1, num_warps=4, gemv=True)
     gemv_split = dataclasses.replace(gemv, split_k=4)
     one_step = W4A16Config(block_m=1, block_n=32, block_k=inter, split_k=1, num_warps=8, gemv=True)
-    decode = pa.DecodeConfig(64, 256)
+    decode = pd.DecodeConfig(64, 256)
     x = torch.randn(batch, k, device=CUDA, dtype=torch.bfloat16)
     res = torch.randn_like(x)
     seen: list[dict] = []
@@ -160,7 +161,7 @@ def test_pdl_chain_in_a_graph_equals_eager():
             q = w4a16_matmul(d, w_sq, gemv_split).view(batch, HEADS, HEAD_DIM)
             kk = q[:, :KV_HEADS].clone()
             apply_rope_cos_sin(q, kk, cos, sin)
-            h = pa.paged_decode(q, p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], 0.1, 1200,
+            h = pd.paged_decode(q, p["k_cache"], p["v_cache"], p["block_tables"], p["context_lens"], 0.1, 1200,
                                 config=decode).view(batch, k) + kk.mean()
         return h
 

@@ -20,7 +20,8 @@ import stride.workers.attention_triton as attention_triton
 from kernels import autotune as at
 from kernels import autotune_specs as specs
 from kernels import rope as rope_kernels
-from kernels.paged_attention import DecodeConfig, ExtendConfig
+from kernels.paged_decode import DecodeConfig
+from kernels.paged_extend import ExtendConfig
 from kernels.rmsnorm import RMSNormConfig
 from kernels.silu_mul import SiluMulConfig
 from kernels.w4a16_format import random_weight

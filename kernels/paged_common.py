@@ -1,0 +1,79 @@
+"""Paged attention over block tables, with GQA: what the decode kernel (:mod:`kernels.paged_decode`, split-K and a
+reduction) and the extend kernel (:mod:`kernels.paged_extend`) share: the cache layout, the precision contract and
+the P@V step that keeps it, the launchers' checks.
+
+Cache layout (per layer, shared with the worker):
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), head_dim contiguous.
+    block_tables: int32 (num_seqs, max_blocks_per_seq); entry j is the physical block holding tokens
+    [j*block_size, (j+1)*block_size) of that sequence; -1 marks unused entries (never read).
+Decode: one query (num_heads, head_dim) per sequence attends to its first context_len cached tokens.
+Extend: flattened queries (num_tokens, num_heads, head_dim), sequence s owning rows
+cu_query_lens[s]:cu_query_lens[s+1]; context_lens[s] counts the KV after this step, the new tokens
+included (their K/V are already in the cache), so query i of s sits at position
+context_lens[s] - query_len + i and attends causally to keys 0..that position.
+Scores use exp2 with log2(e) folded into the scale; partial maxima are kept in that base-2 domain.
+
+Precision: for bf16/fp16 caches both kernels compute float32 maths on the cached values and round once, at
+the output, so they agree with the float32 reference (and the worker's torch backend, which does the same)
+to that one rounding. Scores are float32 dots of the 16-bit q and k (exact products, float32 sums). The
+probabilities P stay float32: a single 16-bit P in the P@V dot would round each one by up to 2^-9 while the
+row sum l_i adds the unrounded ones, an error of a fraction of an output ulp that flips the output's
+rounding on a good share of elements (and, through a deep network, the logits). So P is split into
+hi = P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in
+float32: P to about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA
+beside the two of q.k and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which
+does not change, and on an H200 it kept its bandwidth (docs/perf-log.md, second pass); the extend (prefill)
+kernel pays it: 25-33% longer than one P@V on an H200 (docs/perf-log.md, fourth pass). Float32 caches need none
+of this (P is never rounded). ROUND_P_BEFORE_PV switches the split off, for the tests' negative control and
+the benchmark's price of the split.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import check_float, dot
+
+LOG2E = 1.4426950408889634
+
+ROUND_P_BEFORE_PV = False
+"""True rounds P to the cache dtype before one P@V dot (the old kernels): the tests' negative control, which
+the bitwise checks against the float32 reference must catch, and what ``bench_kernels.py`` prices the split
+against. Read at launch."""
+
+
+@triton.jit
+def pv(p, v, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """P (float32) @ V, accumulated in float32; with SPLIT_P, P is carried as hi + lo in V's dtype."""
+    hi = p.to(v.dtype)
+    out = dot(hi, v, DOT_PRECISION, DOT_UPCAST)
+    if SPLIT_P:
+        lo = (p - hi.to(tl.float32)).to(v.dtype)
+        out += dot(lo, v, DOT_PRECISION, DOT_UPCAST)
+    return out
+
+
+def split_p(dtype: torch.dtype) -> bool:
+    return dtype != torch.float32 and not ROUND_P_BEFORE_PV
+
+
+def check_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    check_float("q", q)
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches: (blocks, block, kv_heads, dim)"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "caches must be contiguous in head_dim"
+    assert q.stride(-1) == 1, "q must be contiguous in head_dim"
+    num_heads, num_kv_heads = q.shape[-2], k_cache.shape[2]
+    assert q.shape[-1] == k_cache.shape[3], f"head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[3]}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} kv heads"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
+
+
+def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
+    page = cache.shape[1]
+    blocks = block_row[: (length + page - 1) // page].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:length]
