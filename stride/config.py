@@ -172,6 +172,9 @@ class SchedulerConfig:
     """Known service classes; a request naming another is refused."""
     default_service_class: str = "standard"
     """Class of a request that names none."""
+    trace_path: str = ""
+    """Record every input and decision of the scheduler process to this JSON-lines file (``stride replay``);
+    empty: no trace."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len",

@@ -55,12 +55,10 @@ class LaunchError(RuntimeError):
 class Launch:
     """One running deployment: its processes, its sockets and its shared memory."""
 
-    def __init__(self, config: StrideConfig, *, trace_path: str = "", quiet: bool = False,
-                 stop: list[bool] | None = None) -> None:
+    def __init__(self, config: StrideConfig, *, quiet: bool = False, stop: list[bool] | None = None) -> None:
         self.config = config
         # Set by the signal handler; checked while starting too, so Ctrl-C during a long load stops it.
         self.stop = stop if stop is not None else [False]
-        self.trace_path = trace_path
         self.quiet = quiet
         write_owner(config.ipc)
         sweep_stale_launches(os.path.dirname(config.ipc.run_dir), keep=config.ipc.run_dir)
@@ -78,8 +76,8 @@ class Launch:
 
     # -------------------------------------------------------------- start
 
-    def _spawn(self, role: str, index: int, config: StrideConfig, extra: dict[str, Any] | None = None) -> None:
-        payload = orjson.dumps({"config": config.to_dict(), "extra": extra or {}})
+    def _spawn(self, role: str, index: int, config: StrideConfig) -> None:
+        payload = orjson.dumps(config.to_dict())
         proc = subprocess.Popen([sys.executable, "-m", "stride.launch.launcher", "--child", role, str(index)],
                                 stdin=subprocess.PIPE, start_new_session=False)
         assert proc.stdin is not None
@@ -126,7 +124,9 @@ class Launch:
             # Simulated tokens must be ids the tokenizer can decode: the worker waits for its vocabulary.
             self._await_ready(tokenizers, "the tokenizer pool")
             tok = self.info[("tokenizer", 0)]
-            self._spawn("worker", 0, cfg, {"eos_token_ids": tok["eos_token_ids"], "vocab_size": tok["vocab_size"]})
+            cfg = dataclasses.replace(cfg, facts=LaunchFacts(vocab_size=int(tok["vocab_size"]),
+                                                             eos_token_ids=tuple(tok["eos_token_ids"])))
+            self._spawn("worker", 0, cfg)
             self._await_ready({("worker", 0)}, "the simulated worker")
         else:
             self._spawn("worker", 0, cfg)  # loads while the tokenizers do
@@ -136,7 +136,7 @@ class Launch:
                             eos_token_ids=tuple(self.info[("tokenizer", 0)]["eos_token_ids"]))
         self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks),
                                                 facts=facts)
-        self._spawn("scheduler", 0, cfg, {"trace_path": self.trace_path})
+        self._spawn("scheduler", 0, cfg)
         self._await_ready({("scheduler", 0)}, "the scheduler")
         self._spawn("frontend", 0, cfg)
         self._await_ready({("frontend", 0)}, "the frontend")
@@ -225,24 +225,27 @@ class Launch:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="HF checkpoint directory or GGUF file (default: SmolLM2-135M)")
-    p.add_argument("--backend", choices=("torch", "sim"), default="torch",
+    p.add_argument("--backend", choices=("torch", "sim"), default=WorkerConfig.backend,
                    help="torch: run the model; sim: simulated step times from the planner's cost model")
-    p.add_argument("--gpu", default="H100-SXM-80GB", help="GPU of the simulated backend's cost model")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the simulated backend's cost model)")
-    p.add_argument("--device", default="", choices=("", "cpu", "cuda"))
-    p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"))
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--gpu", default=WorkerConfig.gpu, help="GPU of the simulated backend's cost model")
+    p.add_argument("--tp", type=int, default=WorkerConfig.tensor_parallel_size,
+                   help="tensor-parallel ranks (the simulated backend's cost model)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="default: STRIDE_DEVICE, else CUDA when present")
+    p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=WorkerConfig.num_threads,
                    help="CPU threads of the worker's torch ops (default: one per core)")
-    p.add_argument("--quantize", default="", metavar="none|w4a16|w4a16-g<N>",
+    p.add_argument("--quantize", default=WorkerConfig.quantize, metavar="none|w4a16|w4a16-g<N>",
                    help="quantise the projections to 4 bits at load (groups of 128 inputs, or N) and run them on "
                         "the W4A16 GEMM (default: as stored; a GGUF's Q4 projections are 4-bit on the GPU anyway)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--tokenizer-workers", type=int, default=2)
-    p.add_argument("--api-keys", default="", help="file of 'KEY TENANT' lines; requests then need a key")
+    p.add_argument("--host", default=ServerConfig.host)
+    p.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=ServerConfig.model_name)
+    p.add_argument("--tokenizer-workers", type=int, default=ServerConfig.tokenizer_workers)
+    p.add_argument("--api-keys", default=ServerConfig.api_keys_file,
+                   help="file of 'KEY TENANT' lines; requests then need a key")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help="largest HTTP request body and client-library message; larger ones are refused unread")
     p.add_argument("--max-prompt-chars", type=int, default=ServerConfig.max_prompt_chars,
@@ -257,7 +260,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks,
                    help="KV blocks on CPU or with the simulated backend (a GPU sizes its cache itself)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--trace", default="", help="record the scheduler's decisions to this JSON-lines file")
+    p.add_argument("--trace", default=SchedulerConfig.trace_path,
+                   help="record the scheduler's decisions to this JSON-lines file")
     p.add_argument("--address-file", default="",
                    help="once serving, write the client-library address and HTTP URL here as JSON "
                         "(removed at shutdown); see stride.client.Client.from_address_file")
@@ -280,11 +284,11 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=args.max_waiting_requests),
-        worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, device=args.device,
-                            dtype=args.dtype, gpu=args.gpu, tensor_parallel_size=args.tp,
-                            num_threads=args.threads, cuda_graphs=not args.enforce_eager,
-                            quantize=args.quantize),
+                                  max_waiting_requests=args.max_waiting_requests, trace_path=args.trace),
+        worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, dtype=args.dtype, gpu=args.gpu,
+                            tensor_parallel_size=args.tp, num_threads=args.threads,
+                            cuda_graphs=not args.enforce_eager, quantize=args.quantize,
+                            **({"device": args.device} if args.device else {})),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
                             api_keys_file=args.api_keys, model_name=args.served_model_name,
                             max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars),
@@ -319,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
     launch = None
     wrote_address = False
     try:
-        launch = Launch(config, stop=stop, trace_path=args.trace)
+        launch = Launch(config, stop=stop)
         launch.start()
         if args.address_file:
             write_address_file(args.address_file, launch)
@@ -342,12 +346,13 @@ def main(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ child processes
 
 
-def _exit_with_launcher(lifeline: IO[bytes], ipc: IpcConfig, role: str, index: int) -> None:
-    """A child's watch on its launcher (a daemon thread): ``lifeline`` is the launcher's pipe, which sends
-    nothing after the configuration, so end-of-file means the launcher has gone. Then remove what the launch
-    holds and exit at once, whatever the main thread is doing."""
+def _exit_with_launcher(fd: int, ipc: IpcConfig, role: str, index: int) -> None:
+    """A child's watch on its launcher (a daemon thread): ``fd`` is the launcher's pipe, which sends nothing after
+    the configuration, so end-of-file means the launcher has gone. Then remove what the launch holds and exit at
+    once, whatever the main thread is doing. (The raw descriptor, not ``sys.stdin``: a daemon thread blocked in a
+    buffered reader holds its lock, and the interpreter aborts when it closes stdin at exit.)"""
     with contextlib.suppress(OSError):
-        while lifeline.read(4096):
+        while os.read(fd, 4096):
             pass
     log.error("%s %d: the launcher is gone; removing the launch's files and exiting", role, index)
     with contextlib.suppress(Exception):
@@ -357,26 +362,34 @@ def _exit_with_launcher(lifeline: IO[bytes], ipc: IpcConfig, role: str, index: i
     os._exit(1)
 
 
+def _read_line(fd: int) -> bytes:
+    """One line from ``fd``, read unbuffered so nothing after it is taken from the pipe."""
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
 def child_main(role: str, index: int) -> int:
     """Entry of a child process: configuration from the first line of stdin, then the role's own loop."""
     logging.basicConfig(level=env.LOG_LEVEL.get().upper(),
                         format=f"%(asctime)s {role}-{index} %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to turn into an orderly stop
-    lifeline = sys.stdin.buffer
-    payload = orjson.loads(lifeline.readline())
-    config = StrideConfig.from_dict(payload["config"])
-    threading.Thread(target=_exit_with_launcher, args=(lifeline, config.ipc, role, index), daemon=True,
+    config = StrideConfig.from_dict(orjson.loads(_read_line(0)))
+    threading.Thread(target=_exit_with_launcher, args=(0, config.ipc, role, index), daemon=True,
                      name="launcher-watch").start()
-    extra = payload["extra"]
     if role == "worker":
         from stride.workers.process import run as run_worker
-        return run_worker(config, index, extra.get("eos_token_ids"), extra.get("vocab_size", 0))
+        return run_worker(config, index)
     if role == "tokenizer":
         from stride.tokenizer.process import run as run_tokenizer
         return run_tokenizer(config, index)
     if role == "scheduler":
         from stride.sched.process import run as run_scheduler
-        return run_scheduler(config, extra.get("trace_path", ""))
+        return run_scheduler(config)
     if role == "frontend":
         from stride.frontend.app import run as run_frontend
         return run_frontend(config)

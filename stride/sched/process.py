@@ -126,7 +126,7 @@ class SchedulerLoop:
         return self.core.metrics().to_message()
 
 
-def run(config: StrideConfig, trace_path: str = "") -> int:
+def run(config: StrideConfig) -> int:
     """Process entry point. The launcher created the step buffers; this process attaches them."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
@@ -134,7 +134,7 @@ def run(config: StrideConfig, trace_path: str = "") -> int:
     trace = None
     try:
         buffers = StepBuffers.attach(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
-        trace = TraceWriter(trace_path) if trace_path else None
+        trace = TraceWriter(config.scheduler.trace_path) if config.scheduler.trace_path else None
         loop = SchedulerLoop(config, buffers, list(config.facts.eos_token_ids), trace)
         inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.scheduler_address(),
                                                 m.TO_SCHEDULER + (m.Shutdown,))

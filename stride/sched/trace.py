@@ -26,7 +26,9 @@ class TraceWriter:
 
     def __init__(self, out: str | Path | IO[str]) -> None:
         if isinstance(out, str | Path):
-            self._file: IO[str] = open(out, "w", encoding="utf-8")  # noqa: SIM115 -- closed in close()
+            # Line-buffered: a record reaches the file as it is written, so the trace of a process that is killed
+            # (the run one most wants to replay) is whole up to its last record.
+            self._file: IO[str] = open(out, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 -- closed in close()
             self._owned = True
         else:
             self._file = out

@@ -129,7 +129,8 @@ class ModelStepper:
 class SimStepper:
     """The simulated backend: modelled step time (planner cost model), deterministic tokens."""
 
-    def __init__(self, config: StrideConfig, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: StrideConfig) -> None:
+        """Its tokens must be ids the tokenizer can decode: the launch's facts carry the tokenizer's vocabulary."""
         from stride.planner.cost import StepCostModel
         from stride.planner.geometry import load_geometry
         from stride.planner.hardware import get_gpu
@@ -137,10 +138,10 @@ class SimStepper:
 
         geometry = load_geometry(config.worker.model)
         cost = StepCostModel(geometry, get_gpu(config.worker.gpu), tp=config.worker.tensor_parallel_size)
-        self.vocab_size = vocab_size or geometry.vocab_size
+        self.vocab_size = config.facts.vocab_size or geometry.vocab_size
         self.num_blocks = config.cache.num_blocks
         self.backend = SimBackend(config.scheduler.max_num_seqs, self.vocab_size,
-                                  eos_token_ids=eos_token_ids, step_time=cost.step_time)
+                                  eos_token_ids=list(config.facts.eos_token_ids), step_time=cost.step_time)
 
     def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
@@ -148,7 +149,7 @@ class SimStepper:
         return []
 
 
-def run(config: StrideConfig, rank: int = 0, eos_token_ids: list[int] | None = None, vocab_size: int = 0) -> int:
+def run(config: StrideConfig, rank: int = 0) -> int:
     """Process entry point of rank ``rank`` (only rank 0 exists until tensor parallelism lands)."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
@@ -159,7 +160,7 @@ def run(config: StrideConfig, rank: int = 0, eos_token_ids: list[int] | None = N
 
         stepper: ModelStepper | SimStepper
         if config.worker.backend == "sim":
-            stepper = SimStepper(config, vocab_size, eos_token_ids or [])
+            stepper = SimStepper(config)
         else:
             stepper = ModelStepper(config, progress)
         inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.worker_address(), m.TO_WORKER)
