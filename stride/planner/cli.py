@@ -39,14 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help=f"GPU name: {', '.join(GPUS)}")
     parser.add_argument("--gpu-mem-gib", type=float,
                         help="device memory in GiB, for a GPU not in the catalog")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE; must divide --tp)")
-    parser.add_argument("--weights", default="bf16", choices=WEIGHT_FORMAT_NAMES, help="weight format")
-    parser.add_argument("--group-size", type=int, default=128, help="w4a16 quantization group")
-    parser.add_argument("--kv-dtype", default="bf16", choices=tuple(KV_DTYPE_BYTES), help="KV cache dtype")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    parser.add_argument("--tp", type=int, default=Parallelism.tp, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=Parallelism.pp, help="pipeline-parallel degree")
+    parser.add_argument("--ep", type=int, default=Parallelism.ep, help="expert-parallel degree (MoE; must divide --tp)")
+    parser.add_argument("--weights", default=Deployment.weights, choices=WEIGHT_FORMAT_NAMES, help="weight format")
+    parser.add_argument("--group-size", type=int, default=Deployment.group_size, help="w4a16 quantization group")
+    parser.add_argument("--kv-dtype", default=Deployment.kv_dtype, choices=tuple(KV_DTYPE_BYTES), help="KV cache dtype")
+    parser.add_argument("--block-size", type=int, default=Deployment.block_size, help="tokens per KV block")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=Deployment.gpu_memory_utilization,
                         help="share of device memory for weights, activations and KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                         help="token budget of one step (sizes the activation reserve)")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from stride.config import CacheConfig, SchedulerConfig
+from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 from stride.sched.plan import StepArrays
 from stride.sched.scheduler import Scheduler
 from stride.sim.backend import SimBackend, StepTimeFn, linear_step_time
@@ -146,8 +146,8 @@ def planner_step_time(model: str, gpu: str, tp: int) -> tuple[StepTimeFn, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="planner catalog name or model path")
-    parser.add_argument("--gpu", default="H100-SXM-80GB", help="GPU name in the planner catalog")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--gpu", default=WorkerConfig.gpu, help="GPU name in the planner catalog")
+    parser.add_argument("--tp", type=int, default=WorkerConfig.tensor_parallel_size, help="tensor-parallel degree")
     parser.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second (Poisson)")
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--prompt-len", type=int, default=512, help="mean prompt tokens")
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tenants", type=int, default=4)
     parser.add_argument("--num-blocks", type=int, default=0,
                         help="KV blocks in the pool (default: what the planner gives this deployment)")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=SchedulerConfig.max_model_len)
