@@ -28,21 +28,6 @@ def quantizable(model: Transformer, args: ModelArgs) -> dict[str, list[str]]:
     return out
 
 
-def _quantizing(
-    tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
-) -> Iterator[tuple[str, Any]]:
-    """The stream with the tensors in ``names`` quantised on ``device`` (in float32, whatever the run dtype)."""
-    from kernels.w4a16_format import quantize
-
-    for name, tensor in tensors:
-        if name in names:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name}: expected a dense tensor to quantise")
-            yield name, quantize(tensor.to(device), group, scale_dtype)
-        else:
-            yield name, tensor
-
-
 def quantizing(
     tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
 ) -> Iterator[tuple[str, Any]]:
