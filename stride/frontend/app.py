@@ -169,8 +169,7 @@ async def serve(config: StrideConfig, *, report_ready: bool = True) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, app[STOP].set)
         if report_ready:
-            _report(config, ProcessReady(role="frontend", info={"host": config.server.host, "port": port,
-                                                                 "model": app[MODEL]}))
+            _report(config, ProcessReady(role="frontend", port=port, model=app[MODEL]))
         await app[STOP].wait()
         app[BACKEND].shut_down("stopped")  # a signal: streams in flight end with an error event, not cut off
     finally:

@@ -257,12 +257,22 @@ TO_CLIENT = (ClientOutput,)
 
 @dataclass(frozen=True)
 class ProcessReady(Message):
-    """Any process → launcher: started and serving; ``info`` holds what the launcher shows or passes on."""
+    """Any process → launcher: started and serving, with what it learned that the launcher shows or passes on to
+    the processes it starts later (each role fills its own fields; the rest keep their defaults)."""
 
     TAG = "ready"
     role: str
     index: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
+    num_blocks: int = 0
+    """Rank 0: KV blocks it sized (on a GPU from measured free memory); the scheduler: the pool it manages."""
+    vocab_size: int = 0
+    """Rank 0: rows of the model's embedding; a tokenizer: its own vocabulary."""
+    eos_token_ids: list[int] = field(default_factory=list)
+    """A tokenizer: the model's end-of-sequence ids."""
+    port: int = 0
+    """The frontend: the HTTP port it bound."""
+    model: str = ""
+    """The frontend: the model name it serves."""
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class Launch:
         self.buffers = StepBuffers.create(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
         self.procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
         self._lifelines: list[IO[bytes]] = []  # each child's stdin: closed only when the launch is over
-        self.info: dict[tuple[str, int], dict[str, Any]] = {}
+        self.ready: dict[tuple[str, int], m.ProcessReady] = {}
         self.port = 0
         self._closed = False
         self._last_shown = -1.0  # the last loading progress shown
@@ -88,7 +88,7 @@ class Launch:
 
     def _await_ready(self, wanted: set[tuple[str, int]], what: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while wanted - self.info.keys():
+        while wanted - self.ready.keys():
             if self.stop[0]:
                 raise LaunchError(f"stopped while waiting for {what}")
             if time.monotonic() > deadline:
@@ -103,7 +103,7 @@ class Launch:
             self._control_handlers[type(msg)](msg)
 
     def _on_ready(self, msg: m.ProcessReady) -> None:
-        self.info[(msg.role, msg.index)] = msg.info
+        self.ready[(msg.role, msg.index)] = msg
 
     def _on_failed(self, msg: m.ProcessFailed) -> None:
         raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
@@ -123,26 +123,27 @@ class Launch:
         if cfg.worker.backend == "sim":
             # Simulated tokens must be ids the tokenizer can decode: the worker waits for its vocabulary.
             self._await_ready(tokenizers, "the tokenizer pool")
-            tok = self.info[("tokenizer", 0)]
-            cfg = dataclasses.replace(cfg, facts=LaunchFacts(vocab_size=int(tok["vocab_size"]),
-                                                             eos_token_ids=tuple(tok["eos_token_ids"])))
+            tok = self.ready[("tokenizer", 0)]
+            cfg = dataclasses.replace(cfg, facts=LaunchFacts(vocab_size=tok.vocab_size,
+                                                             eos_token_ids=tuple(tok.eos_token_ids)))
             self._spawn("worker", 0, cfg)
             self._await_ready({("worker", 0)}, "the simulated worker")
         else:
             self._spawn("worker", 0, cfg)  # loads while the tokenizers do
             self._await_ready(tokenizers | {("worker", 0)}, "the worker and the tokenizer pool")
-        num_blocks = int(self.info[("worker", 0)]["num_blocks"])
-        facts = LaunchFacts(vocab_size=int(self.info[("worker", 0)]["vocab_size"]),
-                            eos_token_ids=tuple(self.info[("tokenizer", 0)]["eos_token_ids"]))
+        num_blocks = self.ready[("worker", 0)].num_blocks
+        facts = LaunchFacts(vocab_size=self.ready[("worker", 0)].vocab_size,
+                            eos_token_ids=tuple(self.ready[("tokenizer", 0)].eos_token_ids))
         self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks),
                                                 facts=facts)
         self._spawn("scheduler", 0, cfg)
         self._await_ready({("scheduler", 0)}, "the scheduler")
         self._spawn("frontend", 0, cfg)
         self._await_ready({("frontend", 0)}, "the frontend")
-        self.port = int(self.info[("frontend", 0)]["port"])
+        frontend = self.ready[("frontend", 0)]
+        self.port = frontend.port
         kv_tokens = num_blocks * cfg.cache.block_size
-        self._say(f"stride: serving {self.info[('frontend', 0)]['model']} on http://{cfg.server.host}:{self.port} "
+        self._say(f"stride: serving {frontend.model} on http://{cfg.server.host}:{self.port} "
                   f"({num_blocks} KV blocks = {kv_tokens} tokens); client library: {cfg.ipc.client_address()}")
 
     def _say(self, text: str) -> None:
@@ -299,7 +300,7 @@ def write_address_file(path: str, launch: Launch) -> None:
     """Where a started launch can be reached, as JSON; written whole (rename) so a reader never sees half."""
     cfg = launch.config
     body = {"client_address": cfg.ipc.client_address(), "http_url": f"http://{cfg.server.host}:{launch.port}",
-            "model": launch.info[("frontend", 0)].get("model", ""), "shm_prefix": cfg.ipc.shm_prefix,
+            "model": launch.ready[("frontend", 0)].model, "shm_prefix": cfg.ipc.shm_prefix,
             "pid": os.getpid()}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:

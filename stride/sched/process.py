@@ -142,7 +142,7 @@ def run(config: StrideConfig) -> int:
         to_tok = [PushQueue[m.Message](ctx, config.ipc.tokenizer_address(i))
                   for i in range(config.server.tokenizer_workers)]
         to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
-        control.put(m.ProcessReady("scheduler", 0, {"num_blocks": config.cache.num_blocks}))
+        control.put(m.ProcessReady("scheduler", 0, num_blocks=config.cache.num_blocks))
         last_stats = 0.0
         now = 0.0
 

@@ -170,8 +170,8 @@ def run(config: StrideConfig, index: int) -> int:
                                                 m.TO_TOKENIZER + (m.Shutdown,))
         to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
         to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
-        control.put(m.ProcessReady("tokenizer", index, {
-            "eos_token_ids": list(worker.tok.eos_token_ids), "vocab_size": worker.tok.vocab_size}))
+        control.put(m.ProcessReady("tokenizer", index, vocab_size=worker.tok.vocab_size,
+                                   eos_token_ids=list(worker.tok.eos_token_ids)))
 
         def generate(msg: m.GenerateRequest) -> None:
             reply = worker.on_generate(msg)

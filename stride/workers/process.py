@@ -165,8 +165,7 @@ def run(config: StrideConfig, rank: int = 0) -> int:
             stepper = ModelStepper(config, progress)
         inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.worker_address(), m.TO_WORKER)
         to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
-        control.put(m.ProcessReady("worker", rank, {"num_blocks": stepper.num_blocks,
-                                                    "vocab_size": stepper.vocab_size}))
+        control.put(m.ProcessReady("worker", rank, num_blocks=stepper.num_blocks, vocab_size=stepper.vocab_size))
         layout = StepLayout.from_config(config.scheduler, config.cache)
         while True:
             msg = inbox.get()

@@ -133,8 +133,8 @@ def test_process_entry_point_reports_ready_and_shuts_down() -> None:
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(config.to_dict())])
     try:
         ready = control.get(timeout_ms=30_000)
-        assert isinstance(ready, ProcessReady) and ready.role == "frontend" and ready.info["port"] > 0
-        conn = http.client.HTTPConnection("127.0.0.1", ready.info["port"], timeout=10)
+        assert isinstance(ready, ProcessReady) and ready.role == "frontend" and ready.port > 0
+        conn = http.client.HTTPConnection("127.0.0.1", ready.port, timeout=10)
         conn.request("GET", "/health")
         assert conn.getresponse().status == 200
         conn.close()

@@ -28,7 +28,7 @@ EXAMPLES: list[m.Message] = [
     m.Shutdown("bye"),
     m.TextDelta("r1", "héllo 🙂", [1, 2], "stop", 3, 1, 2, [{"token": "h", "logprob": -0.1}]),
     m.RequestFailed("r1", 429, "queue full", "queue_full"),
-    m.ProcessReady("worker", 0, {"num_blocks": 12}),
+    m.ProcessReady("worker", 0, num_blocks=12, vocab_size=320),
     m.Progress("worker", "loading", 0.5),
     m.ProcessFailed("worker", "cuda oom", 1),
     m.SchedulerStats(3, 4, 10, 5, 1, 2),
