@@ -160,3 +160,33 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> dict
 
     monkeypatch.setattr(module, name, wrapped)
     return calls
+
+
+def tp_rank_main(rank: int, size: int, init_file: str, model: str, out_dir: str, corrupt: bool = False) -> None:
+    """One rank of a tensor-parallel runner over ``model`` (gloo, file rendezvous) running the fixed :class:`Steps`
+    schedule; rank 0 saves every step's logits and every layer's output, in call order, to ``out_dir/tp{size}.pt``.
+    With ``corrupt``, rank 1 reverses its slice of layer 0's attention-output columns: a wrong shard, the negative
+    control. (Top-level, so ``torch.multiprocessing.spawn`` can start it.)"""
+    from stride.workers.parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    tp = TensorParallel.init(rank, size, f"file://{init_file}")
+    try:
+        worker = WorkerConfig(model=model, device="cpu", dtype="float32", attention_backend="torch",
+                              tensor_parallel_size=size)
+        runner = ModelRunner(RunnerConfig(worker, num_blocks=40, block_size=4, tp_rank=rank), tp=tp)
+        if corrupt and rank == 1:
+            w = runner.model.layers[0].self_attn.o_proj.weight
+            w.data.copy_(w.data.flip(1))
+        layers: list[torch.Tensor] = []
+
+        def record(_m: Any, _i: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+            layers.append((out[0] + out[1]).detach().clone())  # a layer's output: its MLP's plus the residual
+
+        for block in runner.model.layers:
+            block.register_forward_hook(record)
+        logits = Steps(40, 4, runner.args.vocab_size).run(runner)
+        if rank == 0:
+            torch.save({"logits": logits, "layers": layers}, f"{out_dir}/tp{size}.pt")
+    finally:
+        tp.destroy()

@@ -23,6 +23,7 @@ from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import W4A16Linear, use_fused_kernels
+from stride.workers.parallel import TensorParallel, apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,14 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = SchedulerConfig.max_model_len
+    tp_rank: int = 0
+    """This runner's rank among ``worker.tensor_parallel_size``: it loads and holds only its shard."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or (self.num_blocks is not None and self.num_blocks <= 0):
             raise ValueError("block_size and num_blocks must be positive")
+        if not 0 <= self.tp_rank < self.worker.tensor_parallel_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tensor_parallel_size {self.worker.tensor_parallel_size}")
 
     @staticmethod
     def from_launch(worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig) -> RunnerConfig:
@@ -80,9 +85,17 @@ class ModelRunner:
     padding rows.
     """
 
-    def __init__(self, config: RunnerConfig, progress: ProgressCallback | None = None) -> None:
+    def __init__(self, config: RunnerConfig, progress: ProgressCallback | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        """``tp``: this rank's group when ``worker.tensor_parallel_size`` > 1 (joined by the caller, one process per
+        rank); its collectives are added to the model as a pass (:mod:`stride.workers.parallel`)."""
         self.config = config
         worker = config.worker
+        tp_size = worker.tensor_parallel_size
+        self.tp = tp or TensorParallel()
+        if self.tp.size != tp_size or self.tp.rank != config.tp_rank:
+            raise ValueError(f"runner of rank {config.tp_rank}/{tp_size} given the group of rank "
+                             f"{self.tp.rank}/{self.tp.size}")
         block_size, num_blocks, max_num_seqs = config.block_size, config.num_blocks, config.max_num_seqs
         self.device, self.dtype = resolve_device_dtype(worker.device, worker.dtype)
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
@@ -96,8 +109,9 @@ class ModelRunner:
         # ``quantize`` ("w4a16[-g<N>]") makes every projection 4-bit, quantised at load.
         group = quantize_group_size(worker.quantize)
         self.w4a16 = group > 0 or use_w4a16(self.device.type, self.backend.name, worker.w4a16)
-        self.model = load_model(worker.model, self.device, self.dtype, progress, w4a16=self.w4a16,
-                                quantize_group=group)
+        self.model = load_model(worker.model, self.device, self.dtype, progress, tp_rank=config.tp_rank,
+                                tp_size=tp_size, w4a16=self.w4a16, quantize_group=group)
+        apply_tensor_parallel(self.model, self.tp)
         self.args = self.model.args
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
             from kernels.w4a16 import reserve_scratch
@@ -114,7 +128,7 @@ class ModelRunner:
             # With decode graphs their buffers are reserved too (the planner's formula): they are allocated at
             # capture, after the cache took its share (at start, and for longer contexts on first use).
             num_blocks = num_blocks_for_memory(
-                self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs,
+                self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs, tp_size,
                 graph_table_width=-(-config.max_model_len // block_size) if graphs else 0,
             )
             # The decode graphs' padding block comes out of the measured memory too.
@@ -122,7 +136,7 @@ class ModelRunner:
             if num_blocks < 1:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
-        self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype)
+        self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype, tp_size)
         self.num_blocks = num_blocks
         use_fused_kernels(self.model, self.backend.fused_layers)
         if graphs and self.device.type == "cuda" and worker.pdl:
@@ -159,7 +173,8 @@ class ModelRunner:
         """Decode graphs need the Triton backend (the torch one reads lengths on the host) and a forward with
         no host reads (not mixture-of-experts routing). Without CUDA (Triton's interpreter, tests) the same
         static-buffer step runs uncaptured."""
-        return enabled and self.backend.name == "triton" and not self.args.num_experts
+        # Not yet with several ranks: capturing the collectives (NCCL) has not been run on more than one GPU.
+        return enabled and self.backend.name == "triton" and not self.args.num_experts and self.tp.size == 1
 
     @torch.inference_mode()
     def forward(

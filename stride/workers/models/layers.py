@@ -218,18 +218,52 @@ class RMSNorm(nn.Module):
         return self.forward(h), h
 
 
-class Embedding(nn.Module):
-    """Token embeddings (vocabulary-parallel later: each rank a slice of the rows)."""
+def _load_vocab_rows(weight: torch.Tensor, full: torch.Tensor, tp_rank: int) -> None:
+    """This rank's rows of a (vocab, dim) matrix; rows past the vocabulary (the last rank's padding) are zero."""
+    rows = weight.shape[0]
+    start = tp_rank * rows
+    take = max(0, min(rows, full.shape[0] - start))
+    weight.data[:take].copy_(full.narrow(0, start, take))
+    weight.data[take:].zero_()
 
-    def __init__(self, vocab_size: int, dim: int) -> None:
+
+class Embedding(nn.Module):
+    """Token embeddings, vocabulary-parallel: rank r holds rows ``[r * rows, (r + 1) * rows)`` (``rows`` the
+    vocabulary over the ranks, rounded up) and gives zeros for the other ids, so the ranks' outputs sum (the
+    tensor-parallel pass's all-reduce) to the embedding."""
+
+    def __init__(self, vocab_size: int, dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.vocab_size, self.tp_rank, self.tp_size = vocab_size, tp_rank, tp_size
+        rows = -(-vocab_size // tp_size)
+        self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
     def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(full)
+        _load_vocab_rows(self.weight, full, self.tp_rank)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.tp_rank * self.weight.shape[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill_(outside[:, None], 0.0)
+
+
+class VocabParallelHead(nn.Module):
+    """The output projection, split by vocabulary rows as :class:`Embedding` is (so a tied head shares its weight):
+    each rank's logits are its slice; the tensor-parallel pass gathers them, once per pass."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.vocab_size, self.tp_rank = vocab_size, tp_rank
+        self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp_size), hidden_size), requires_grad=False)
+
+    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+        _load_vocab_rows(self.weight, full, self.tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def rope_cos_sin(

@@ -23,6 +23,7 @@ from stride.workers.models.layers import (
     RMSNorm,
     Rope,
     RowParallelLinear,
+    VocabParallelHead,
     rope_cos_sin,
 )
 
@@ -113,13 +114,13 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
             Block(args, i, mlp_factory(args, tp_rank, tp_size), tp_rank, tp_size)
             for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(args.hidden_size, [args.vocab_size], tp_rank, tp_size)
+        self.lm_head = VocabParallelHead(args.hidden_size, args.vocab_size, tp_rank, tp_size)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", args.inv_freq(), persistent=False)
@@ -144,7 +145,8 @@ class Transformer(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits (n, vocab) of the given hidden rows (vocabulary-parallel later: gather here)."""
+        """float32 logits (n, vocab) of the given hidden rows (with tensor parallelism, this rank's slice of the
+        vocabulary, which :func:`stride.workers.parallel.apply_tensor_parallel` gathers)."""
         return self.lm_head(hidden).float()
 
     def _loadable(self, path: str) -> Any:
