@@ -99,6 +99,14 @@ class IpcConfig:
         """[rank 0 binds, PULL] step descriptors from the scheduler."""
         return self.address("worker")
 
+    def worker_rank_address(self, rank: int) -> str:
+        """[rank ``rank`` > 0 binds, PULL] the step descriptors rank 0 passes on to the other ranks."""
+        return self.address(f"worker-{rank}")
+
+    def tp_rendezvous(self) -> str:
+        """``torch.distributed`` init method of the launch's tensor-parallel ranks: a file in the private directory."""
+        return f"file://{self.run_dir}/tp-rendezvous"
+
     def control_address(self) -> str:
         """[launcher binds, PULL] ready and failure reports from every process."""
         return self.address("control")

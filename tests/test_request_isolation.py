@@ -94,6 +94,7 @@ def _stepper(fail_slot: int | None) -> ModelStepper:
     stepper = ModelStepper.__new__(ModelStepper)  # the step handling alone: a fake forward, a real sampler
     stepper.runner = _Runner()  # type: ignore[assignment]
     stepper.sampler = Sampler(4, VOCAB)
+    stepper.samples = True  # rank 0
     stepper._history = {}
     add = stepper.sampler.add_sequence
 

@@ -129,9 +129,12 @@ class Launch:
             self._spawn("worker", 0, cfg)
             self._await_ready({("worker", 0)}, "the simulated worker")
         else:
-            self._spawn("worker", 0, cfg)  # loads while the tokenizers do
-            self._await_ready(tokenizers | {("worker", 0)}, "the worker and the tokenizer pool")
-        num_blocks = self.ready[("worker", 0)].num_blocks
+            ranks = {("worker", r) for r in range(cfg.worker.tensor_parallel_size)}
+            for _, r in sorted(ranks):  # they load while the tokenizers do
+                self._spawn("worker", r, cfg)
+            self._await_ready(tokenizers | ranks, "the worker ranks and the tokenizer pool")
+        # The ranks agreed on one block count already (the smallest); the minimum here says so again.
+        num_blocks = min(msg.num_blocks for (role, _), msg in self.ready.items() if role == "worker")
         facts = LaunchFacts(vocab_size=self.ready[("worker", 0)].vocab_size,
                             eos_token_ids=tuple(self.ready[("tokenizer", 0)].eos_token_ids))
         self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks),
@@ -190,7 +193,8 @@ class Launch:
         addresses = {"frontend": lambda i: self.config.ipc.frontend_address(),
                      "tokenizer": self.config.ipc.tokenizer_address,
                      "scheduler": lambda i: self.config.ipc.scheduler_address(),
-                     "worker": lambda i: self.config.ipc.worker_address()}
+                     "worker": lambda i: (self.config.ipc.worker_address() if i == 0
+                                          else self.config.ipc.worker_rank_address(i))}
         for role in order:
             for (r, index), proc in self.procs.items():
                 if r == role and proc.poll() is None:
@@ -230,7 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch: run the model; sim: simulated step times from the planner's cost model")
     p.add_argument("--gpu", default=WorkerConfig.gpu, help="GPU of the simulated backend's cost model")
     p.add_argument("--tp", type=int, default=WorkerConfig.tensor_parallel_size,
-                   help="tensor-parallel ranks (the simulated backend's cost model)")
+                   help="tensor-parallel ranks: one worker process per GPU (gloo on the CPU); with the simulated "
+                        "backend, the cost model's")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: STRIDE_DEVICE, else CUDA when present")
     p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"))
@@ -275,6 +280,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         raise SystemExit(f"stride serve: model not found: {model}")
     if args.backend == "sim" and not os.path.exists(model):
         tokenizer = default_model_path()  # a catalog model (e.g. llama-3.1-70b) has no tokenizer files here
+    if args.backend == "torch" and args.tp > 1:
+        _check_tensor_parallel(model, args.tp)
     trained = model_context_length(model) if os.path.exists(model) else 0
     max_len = args.max_model_len or trained or 4096
     if trained and max_len > trained:
@@ -294,6 +301,20 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                             api_keys_file=args.api_keys, model_name=args.served_model_name,
                             max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars),
     )
+
+
+def _check_tensor_parallel(model: str, tp: int) -> None:
+    """Refuse, before anything loads, a split the model's shape does not allow (the planner's rules)."""
+    from stride.planner.geometry import load_geometry
+    from stride.planner.parallel import Parallelism, check_parallelism
+
+    geometry = load_geometry(model)
+    problems = check_parallelism(geometry, Parallelism(tp=tp))
+    if geometry.num_kv_heads < tp:
+        problems.append(f"{geometry.num_kv_heads} KV heads for tp={tp}: replicating KV heads across ranks is not "
+                        f"built yet; use a tp that divides {geometry.num_kv_heads}")
+    if problems:
+        raise SystemExit(f"stride serve: --tp {tp} cannot split {model}: " + "; ".join(problems))
 
 
 def write_address_file(path: str, launch: Launch) -> None:

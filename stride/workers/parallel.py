@@ -52,6 +52,14 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def agree_min(self, n: int, device: torch.device) -> int:
+        """The smallest of every rank's ``n`` (the KV block count every rank can hold)."""
+        if self.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` side by side along the last dimension, in rank order."""
         if self.size == 1:

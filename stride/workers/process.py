@@ -1,8 +1,10 @@
 """The rank-worker process: runs the steps the scheduler sends and writes the sampled tokens back.
 
-Rank 0 pulls :class:`StepDescriptor` at ``worker_address``, reads the step's arrays from shared memory,
-runs the forward (or the simulated backend), samples, writes ``sampled_ids`` / logprobs into the
-step-output arrays and answers :class:`StepDone`. It makes no decisions.
+Rank 0 pulls :class:`StepDescriptor` at ``worker_address``, passes it on to the other tensor-parallel ranks (each
+at its ``worker_rank_address``), reads the step's arrays from shared memory, runs the forward (or the simulated
+backend), samples, writes ``sampled_ids`` / logprobs into the step-output arrays and answers :class:`StepDone`.
+The other ranks read the same arrays and run the same forward, their shard of every layer, joined to rank 0's by
+the collectives; they sample nothing and answer nothing. No rank makes decisions.
 
 A sequence whose own state cannot be set up (its sampling parameters) fails alone: its row samples nothing and
 ``StepDone.failed`` names it. A fault in the step as a whole (the forward, the batched sampler) is a device or
@@ -45,18 +47,26 @@ def _needs_history(params: Any) -> bool:
 class ModelStepper:
     """A real model: :class:`ModelRunner` for the forward, :class:`Sampler` for the tokens."""
 
-    def __init__(self, config: StrideConfig, progress: Any) -> None:
+    def __init__(self, config: StrideConfig, progress: Any, rank: int = 0) -> None:
         import torch
 
-        from stride.workers.runner import ModelRunner
+        from stride.workers.parallel import TensorParallel
+        from stride.workers.runner import ModelRunner, resolve_device_dtype
         from stride.workers.sampling import Sampler
 
         if config.worker.num_threads:
             torch.set_num_threads(config.worker.num_threads)
-        self.runner = ModelRunner.from_config(config.worker, config.cache, config.scheduler, progress)
+        device, _ = resolve_device_dtype(config.worker.device, config.worker.dtype)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)  # one GPU per rank
+        self.tp = TensorParallel.init(rank, config.worker.tensor_parallel_size, config.ipc.tp_rendezvous(),
+                                      device.type)
+        self.runner = ModelRunner.from_config(config.worker, config.cache, config.scheduler, progress, self.tp)
         args = self.runner.args
         self.num_blocks = self.runner.num_blocks
         self.vocab_size = args.vocab_size
+        self.samples = rank == 0
+        """Only rank 0 samples: the logits are gathered on every rank, but one token stream is the answer."""
         self.sampler = Sampler(config.scheduler.max_num_seqs, args.vocab_size,
                                eos_token_ids=list(args.eos_token_ids),
                                device=str(self.runner.device), seed=config.worker.seed)
@@ -66,6 +76,9 @@ class ModelStepper:
 
     def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
         """Run one step; returns the sequences that failed alone (their rows sample nothing)."""
+        if not self.samples:
+            self.runner.step(buf, desc.num_tokens, desc.num_seqs)
+            return []
         for slot in desc.finished_slots:
             self._drop(slot)
         failed: dict[int, m.SequenceFailure] = {}
@@ -150,7 +163,7 @@ class SimStepper:
 
 
 def run(config: StrideConfig, rank: int = 0) -> int:
-    """Process entry point of rank ``rank`` (only rank 0 exists until tensor parallelism lands)."""
+    """Process entry point of tensor-parallel rank ``rank``."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
     buf = None
@@ -162,13 +175,21 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         if config.worker.backend == "sim":
             stepper = SimStepper(config)
         else:
-            stepper = ModelStepper(config, progress)
-        inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.worker_address(), m.TO_WORKER)
+            stepper = ModelStepper(config, progress, rank)
+        address = config.ipc.worker_address() if rank == 0 else config.ipc.worker_rank_address(rank)
+        inbox: PullQueue[m.Message] = PullQueue(ctx, address, m.TO_WORKER)
+        num_ranks = config.worker.tensor_parallel_size if config.worker.backend == "torch" else 1
+        peers: list[PushQueue[m.Message]] = ([PushQueue(ctx, config.ipc.worker_rank_address(r))
+                                               for r in range(1, num_ranks)] if rank == 0 else [])
         to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
         control.put(m.ProcessReady("worker", rank, num_blocks=stepper.num_blocks, vocab_size=stepper.vocab_size))
         layout = StepLayout.from_config(config.scheduler, config.cache)
         while True:
             msg = inbox.get()
+            if msg is None:
+                continue
+            for peer in peers:  # every rank runs the same step; the collectives keep them in lockstep
+                peer.put(msg)
             if isinstance(msg, m.Shutdown):
                 return 0
             assert isinstance(msg, m.StepDescriptor)
@@ -178,9 +199,11 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                 failed = stepper.run(msg, buf)
             except Exception as e:  # the scheduler fails the requests and the launcher shuts down
                 log.exception("step %d failed", msg.step)
-                to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
+                if rank == 0:
+                    to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
                 raise
-            to_sched.put(m.StepDone(msg.step, failed=failed))
+            if rank == 0:
+                to_sched.put(m.StepDone(msg.step, failed=failed))
     except Exception as e:
         log.exception("worker rank %d failed", rank)
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))

@@ -66,14 +66,15 @@ class RunnerConfig:
             raise ValueError(f"tp_rank {self.tp_rank} outside tensor_parallel_size {self.worker.tensor_parallel_size}")
 
     @staticmethod
-    def from_launch(worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig) -> RunnerConfig:
+    def from_launch(worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig,
+                    tp_rank: int = 0) -> RunnerConfig:
         """As the worker process runs: on CUDA the cache is sized from free memory, on CPU it has
         ``cache.num_blocks`` blocks."""
         device, _ = resolve_device_dtype(worker.device, worker.dtype)
         return RunnerConfig(worker, block_size=cache.block_size,
                             num_blocks=None if device.type == "cuda" else cache.num_blocks,
                             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-                            max_model_len=sched.max_model_len)
+                            max_model_len=sched.max_model_len, tp_rank=tp_rank)
 
 
 class ModelRunner:
@@ -133,6 +134,7 @@ class ModelRunner:
             )
             # The decode graphs' padding block comes out of the measured memory too.
             num_blocks -= int(graphs)
+            num_blocks = self.tp.agree_min(num_blocks, self.device)  # every rank holds the same blocks
             if num_blocks < 1:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
@@ -161,10 +163,10 @@ class ModelRunner:
 
     @classmethod
     def from_config(cls, worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig,
-                    progress: ProgressCallback | None = None) -> ModelRunner:
+                    progress: ProgressCallback | None = None, tp: TensorParallel | None = None) -> ModelRunner:
         """As the worker process builds it (:meth:`RunnerConfig.from_launch`), with the decode graphs of the
         shortest context bucket captured now on CUDA, not mid-serving."""
-        runner = cls(RunnerConfig.from_launch(worker, cache, sched), progress)
+        runner = cls(RunnerConfig.from_launch(worker, cache, sched, tp.rank if tp else 0), progress, tp)
         if runner.graphs is not None:
             runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
         return runner
