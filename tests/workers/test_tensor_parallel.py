@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from worker_helpers import make_checkpoint, tp_rank_main
 
+from stride.model.files import default_model_path
 from stride.workers.attention import AttentionContext, AttentionMetadata, TorchPagedAttention
 from stride.workers.kv_cache import KVCache
 from stride.workers.loader import load_model
@@ -110,12 +111,19 @@ def _min_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mixtral"])
-def test_two_ranks_under_gloo_match_one_rank_layer_by_layer(preset: str, tmp_path: Path) -> None:
-    """GQA with 2 KV heads, one per rank (tiny-llama); a mixture of experts, each expert split (tiny-mixtral)."""
-    model = make_checkpoint(preset, tmp_path / "ck", torch.float32)
+@pytest.mark.parametrize("preset, size", [("tiny-llama", 2), ("tiny-mixtral", 2), ("default", 3)])
+def test_ranks_under_gloo_match_one_rank_layer_by_layer(preset: str, size: int, tmp_path: Path) -> None:
+    """GQA with 2 KV heads, one per rank (tiny-llama); a mixture of experts, each expert split (tiny-mixtral); the
+    default model, SmolLM2-135M (9 heads, 3 KV heads), on three ranks."""
+    if preset == "default":
+        try:
+            model = Path(default_model_path())
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+    else:
+        model = make_checkpoint(preset, tmp_path / "ck", torch.float32)
     one = _run_ranks(1, model, tmp_path)
-    two = _run_ranks(2, model, tmp_path)
+    two = _run_ranks(size, model, tmp_path)
     assert len(two["layers"]) == len(one["layers"]) > 0
     for i, (got, want) in enumerate(zip(two["layers"], one["layers"], strict=True)):
         assert rel_err(got, want) <= 1e-5, f"layer output {i}: {rel_err(got, want):.3g}"
@@ -124,5 +132,5 @@ def test_two_ranks_under_gloo_match_one_rank_layer_by_layer(preset: str, tmp_pat
         assert rel_err(got, want) <= 1e-5
     assert _min_cosine(two["logits"], one["logits"]) >= 0.999999
     # Negative control: rank 1 holding a wrong slice of one projection fails at that first layer already.
-    bad = _run_ranks(2, model, tmp_path, corrupt=True)
+    bad = _run_ranks(size, model, tmp_path, corrupt=True)
     assert rel_err(bad["layers"][0], one["layers"][0]) > 1e-2
