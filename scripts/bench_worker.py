@@ -13,6 +13,11 @@ the model layers switched to the fused kernels or back with it, so the weights a
 times the triton backend again with its decode steps replayed from CUDA graphs captured without programmatic
 dependent launch (``triton+graphs``, as STRIDE_PDL=0); ``--pdl`` once more with graphs captured with it
 (``triton+graphs+pdl``, the worker's default).
+
+``--tp N`` runs N ranks (one process each; gloo on the CPU, NCCL with one GPU per rank), the default backend, no
+graphs: the same decode steps on every rank, rank 0 printing.
+
+    python scripts/bench_worker.py --tp 3 --batches 1,16,64 --threads 1   # SmolLM2 on three CPU ranks
 """
 
 from __future__ import annotations
@@ -107,6 +112,32 @@ def decode_rate(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
     return batch * steps / (time.perf_counter() - start)
 
 
+def _tp_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
+    """One rank of ``--tp``: its shard, the same decode batches as every other rank; rank 0 prints."""
+    from stride.workers.parallel import TensorParallel
+    from stride.workers.runner import resolve_device_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, _ = resolve_device_dtype(args.device, args.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    tp = TensorParallel.init(rank, args.tp, init_method, device.type)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        need = max(batches) * -(-(args.prompt_len + args.steps + 1) // 16)
+        worker = WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                              tensor_parallel_size=args.tp)
+        runner = ModelRunner(RunnerConfig(worker, num_blocks=need, tp_rank=rank), tp=tp)
+        for b in batches:
+            rate = decode_rate(runner, b, args.prompt_len, args.steps)
+            if rank == 0:
+                print(f"[tp={args.tp} {runner.backend.name}] batch {b:4d}: {rate:9.1f} tok/s  "
+                      f"({1000 * b / rate:.1f} ms/step)", flush=True)
+    finally:
+        tp.destroy()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,7 +157,16 @@ def main() -> int:
                         help="with --graphs, also time graphs captured with programmatic dependent launch")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--quantize", default="", help="w4a16 or w4a16-g<N>: quantise the projections at load")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each")
     args = parser.parse_args()
+    if args.tp > 1:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_tp_rank, args=(args, f"file://{tmp}/rendezvous"), nprocs=args.tp, join=True)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
