@@ -86,10 +86,11 @@ cpu_triton = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton ke
 
 
 def make_checkpoint(
-    preset: str, out: Path, dtype: torch.dtype, num_layers: int = 0, device: str = "cpu"
+    preset: str, out: Path, dtype: torch.dtype, num_layers: int = 0, device: str = "cpu", **config: Any
 ) -> Path:
+    """A random checkpoint of ``preset``'s shape; ``config`` overrides fields of its config.json."""
     make = runpy.run_path(str(ROOT / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
-    cfg = dict(make["PRESETS"][preset])
+    cfg = dict(make["PRESETS"][preset], **config)
     if num_layers:
         cfg["num_hidden_layers"] = num_layers
     return Path(make["write_checkpoint"](cfg, out, dtype, seed=5, device=device))

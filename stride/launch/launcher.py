@@ -310,9 +310,6 @@ def _check_tensor_parallel(model: str, tp: int) -> None:
 
     geometry = load_geometry(model)
     problems = check_parallelism(geometry, Parallelism(tp=tp))
-    if geometry.num_kv_heads < tp:
-        problems.append(f"{geometry.num_kv_heads} KV heads for tp={tp}: replicating KV heads across ranks is not "
-                        f"built yet; use a tp that divides {geometry.num_kv_heads}")
     if problems:
         raise SystemExit(f"stride serve: --tp {tp} cannot split {model}: " + "; ".join(problems))
 

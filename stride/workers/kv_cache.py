@@ -32,7 +32,7 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, args.num_kv_heads // tp_size, args.head_dim)
+        shape = (num_blocks, block_size, max(1, args.num_kv_heads // tp_size), args.head_dim)
         # Zeros, not empty: a masked-out read of a never-written slot must not meet NaN (0 * NaN = NaN).
         self.k_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
         self.v_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
@@ -45,7 +45,7 @@ class KVCache:
 def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of one block across all layers, K and V, on one rank."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * (args.num_kv_heads // tp_size) * args.head_dim * elem
+    return 2 * args.num_layers * block_size * max(1, args.num_kv_heads // tp_size) * args.head_dim * elem
 
 
 def geometry(args: ModelArgs, name: str = "model") -> ModelGeometry:

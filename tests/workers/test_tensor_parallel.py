@@ -111,15 +111,19 @@ def _min_cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, size", [("tiny-llama", 2), ("tiny-mixtral", 2), ("default", 3)])
+@pytest.mark.parametrize("preset, size", [("tiny-llama", 2), ("tiny-llama-1kv", 2), ("tiny-mixtral", 2),
+                                          ("default", 3)])
 def test_ranks_under_gloo_match_one_rank_layer_by_layer(preset: str, size: int, tmp_path: Path) -> None:
-    """GQA with 2 KV heads, one per rank (tiny-llama); a mixture of experts, each expert split (tiny-mixtral); the
-    default model, SmolLM2-135M (9 heads, 3 KV heads), on three ranks."""
+    """GQA with 2 KV heads, one per rank (tiny-llama); one KV head, replicated on both ranks (tiny-llama-1kv); a
+    mixture of experts, each expert split (tiny-mixtral); the default model, SmolLM2-135M (9 heads, 3 KV heads), on
+    three ranks."""
     if preset == "default":
         try:
             model = Path(default_model_path())
         except FileNotFoundError as e:
             pytest.skip(str(e))
+    elif preset == "tiny-llama-1kv":
+        model = make_checkpoint("tiny-llama", tmp_path / "ck", torch.float32, num_key_value_heads=1)
     else:
         model = make_checkpoint(preset, tmp_path / "ck", torch.float32)
     one = _run_ranks(1, model, tmp_path)

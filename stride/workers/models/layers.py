@@ -34,29 +34,52 @@ if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fus
     from stride.workers.kernel_configs import KernelConfigs
 
 
+def column_slices(output_sizes: Sequence[int], units: Sequence[int] | None, tp_rank: int,
+                  tp_size: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` this rank takes of each merged tensor. A tensor of ``unit``-row units (a head's rows)
+    is split into equal shares of whole units; one with fewer units than ranks (KV heads) gives each rank one whole
+    unit, rank ``r`` the one at ``r * units // tp_size``: replicated, as the planner assumes."""
+    out = []
+    for i, total in enumerate(output_sizes):
+        unit = units[i] if units is not None else 1
+        count = total // unit
+        if total % unit:
+            raise ValueError(f"output size {total} is not whole units of {unit}")
+        if count >= tp_size:
+            if count % tp_size:
+                raise ValueError(f"{count} units of output {i} not divisible by tp_size {tp_size}")
+            size = total // tp_size
+            out.append((tp_rank * size, size))
+        else:
+            if tp_size % count:
+                raise ValueError(f"tp_size {tp_size} is not a multiple of the {count} units of output {i}")
+            out.append(((tp_rank * count // tp_size) * unit, unit))
+    return out
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x @ W.T`` with W's rows (output features) split across ranks.
 
     ``output_sizes`` lists the unsharded checkpoint tensors merged into this one (e.g. q, k, v); each is
-    split across ranks on its own, so a rank holds its q heads, then its k heads, then its v heads.
+    split across ranks on its own (:func:`column_slices`), so a rank holds its q heads, then its k heads, then its v
+    heads; ``units`` gives each tensor's rows per head, so that heads stay whole.
     """
 
     def __init__(
-        self, in_features: int, output_sizes: Sequence[int], tp_rank: int = 0, tp_size: int = 1
+        self, in_features: int, output_sizes: Sequence[int], tp_rank: int = 0, tp_size: int = 1,
+        units: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        if any(n % tp_size for n in output_sizes):
-            raise ValueError(f"output sizes {list(output_sizes)} not divisible by tp_size {tp_size}")
         self.in_features, self.tp_rank, self.tp_size = in_features, tp_rank, tp_size
-        self.output_sizes = [n // tp_size for n in output_sizes]
+        self.slices = column_slices(output_sizes, units, tp_rank, tp_size)
+        self.output_sizes = [size for _, size in self.slices]
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
 
     def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
         """Copy this rank's rows of the unsharded checkpoint tensor number ``shard`` into place."""
-        size = self.output_sizes[shard]
+        start, size = self.slices[shard]
         offset = sum(self.output_sizes[:shard])
-        rows = full.narrow(0, self.tp_rank * size, size)
-        self.weight.data[offset : offset + size].copy_(rows)
+        self.weight.data[offset : offset + size].copy_(full.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -103,11 +126,14 @@ class W4A16Linear(nn.Module):
         group_size: int = 32,
         tp_rank: int = 0,
         tp_size: int = 1,
+        slices: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         assert split in ("column", "row"), split
         self.split, self.group_size, self.tp_rank, self.tp_size = split, group_size, tp_rank, tp_size
         self.output_sizes = list(output_sizes)  # this rank's, as ColumnParallelLinear.output_sizes
+        # (first row, rows) of each merged checkpoint tensor this rank takes (ColumnParallelLinear.slices)
+        self.slices = list(slices) if slices is not None else [(tp_rank * n, n) for n in self.output_sizes]
         k, n = in_features, sum(self.output_sizes)
         if k % group_size or group_size % 8:
             raise ValueError(f"in_features {k} (this rank's) is not a whole number of {group_size}-groups")
@@ -122,7 +148,7 @@ class W4A16Linear(nn.Module):
         """The 4-bit stand-in for ``linear`` (same shapes, same shards, same rank)."""
         if isinstance(linear, ColumnParallelLinear):
             return cls(linear.in_features, linear.output_sizes, "column", scale_dtype, group_size,
-                       linear.tp_rank, linear.tp_size)
+                       linear.tp_rank, linear.tp_size, linear.slices)
         if isinstance(linear, RowParallelLinear):
             n, k = linear.weight.shape
             return cls(k, [n], "row", scale_dtype, group_size, linear.tp_rank, linear.tp_size)
@@ -138,9 +164,8 @@ class W4A16Linear(nn.Module):
             raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
         w4a16 = _kernel("w4a16_format")
         if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
-            size = self.output_sizes[shard]
+            start, size = self.slices[shard]
             offset = sum(self.output_sizes[:shard])
-            start = self.tp_rank * size
             for dst, src in ((self.scales, full.scales), (self.mins, full.mins)):
                 dst[:, offset : offset + size].copy_(src.narrow(1, start, size))
             tile = w4a16.TILE_N

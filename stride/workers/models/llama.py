@@ -37,15 +37,15 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        if args.num_kv_heads % tp_size:
-            raise ValueError(f"num_kv_heads {args.num_kv_heads} not divisible by tp_size {tp_size}")
         self.layer_id = layer_id
         self.num_heads = args.num_heads // tp_size
-        self.num_kv_heads = args.num_kv_heads // tp_size
+        # Fewer KV heads than ranks: each rank holds (a replica of) the one its query heads use.
+        self.num_kv_heads = max(1, args.num_kv_heads // tp_size)
         self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], tp_rank, tp_size)
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], tp_rank, tp_size,
+                                             units=[args.head_dim] * 3)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, tp_rank, tp_size)
         self.rope = Rope()
 
