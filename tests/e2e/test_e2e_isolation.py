@@ -416,6 +416,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _listening(port: int) -> bool:
+    """Whether a socket of this machine listens on TCP ``port`` (the kernel's table; binding to test it would race
+    with the port's reuse as another connection's ephemeral port)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return True
+    return False
+
+
 def test_sigkill_of_the_launcher_leaves_nothing() -> None:
     srv = StrideServer("--max-model-len", "256", "--num-blocks", "32", "--tokenizer-workers", "2").start()
     children = srv.child_pids()
@@ -423,6 +438,7 @@ def test_sigkill_of_the_launcher_leaves_nothing() -> None:
         assert set(children) == {"worker 0", "tokenizer 0", "tokenizer 1", "scheduler 0", "frontend 0"}
         assert srv.shm_segments() and os.path.isdir(srv.run_dir)  # control: the launch holds them
         port = int(srv.url.rsplit(":", 1)[1])
+        assert _listening(port)  # control: the frontend listens there while the launch runs
         assert srv.proc is not None
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait()
@@ -430,9 +446,7 @@ def test_sigkill_of_the_launcher_leaves_nothing() -> None:
             {n: p for n, p in children.items() if _alive(p)}
         assert wait_for(lambda: not srv.shm_segments() and not os.path.exists(srv.run_dir), 5), \
             (srv.shm_segments(), srv.run_dir)
-        with socket.socket() as s:  # the port is free again
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
+        assert wait_for(lambda: not _listening(port), 5)  # nothing serves on the port any more
     finally:
         for pid in children.values():
             if _alive(pid):
