@@ -65,6 +65,14 @@ def complete_prefix_length(buf: bytes | bytearray) -> int:
     return n  # four continuation bytes in a row can never complete: let them decode as U+FFFD
 
 
+def token_bytes(table: Sequence[bytes], token_id: int) -> bytes:
+    """The bytes ``token_id`` stands for: ``table[token_id]``, or none for an id past the table (a model whose
+    vocabulary is padded past its tokenizer's, as HF ``decode`` skips it); a negative id is a ``ValueError``."""
+    if token_id < 0:
+        raise ValueError(f"negative token id {token_id}")
+    return table[token_id] if token_id < len(table) else b""
+
+
 class IncrementalDetokenizer:
     """Text deltas of one sequence's output tokens, in order. Not thread-safe; one per request."""
 
@@ -74,15 +82,10 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Text completed by ``token_ids`` (possibly empty: an unfinished character is held back). An id past the
-        tokenizer's table (a model whose vocabulary is padded past its tokenizer's) stands for no text, as in HF
-        ``decode``; a negative id is a ``ValueError``."""
+        tokenizer's table stands for no text, a negative one is a ``ValueError`` (:func:`token_bytes`)."""
         table = self._token_bytes
-        size = len(table)
         for token_id in token_ids:
-            if token_id < size:
-                if token_id < 0:
-                    raise ValueError(f"negative token id {token_id}")
-                self._pending += table[token_id]
+            self._pending += token_bytes(table, token_id)
         cut = complete_prefix_length(self._pending)
         text = self._pending[:cut].decode("utf-8", errors="replace")
         del self._pending[:cut]

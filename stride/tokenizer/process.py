@@ -23,7 +23,7 @@ from stride.config import StrideConfig
 from stride.ipc import messages as m
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.params import CONTEXT_LENGTH_EXCEEDED, context_overflow
-from stride.tokenizer.detokenizer import token_bytes_table
+from stride.tokenizer.detokenizer import token_bytes, token_bytes_table
 from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.tokenizer.stop import OutputText
 from stride.tokenizer.template import ChatTemplate, TemplateError
@@ -142,13 +142,11 @@ class TokenizerWorker:
         return entries
 
     def _bytes_of(self, token_id: int) -> bytes:
-        """As the detokenizer reads a token: an id past the tokenizer's table stands for no text."""
-        if token_id < 0:
-            raise ValueError(f"negative token id {token_id}")
-        return self.token_bytes[token_id] if token_id < len(self.token_bytes) else b""
+        return token_bytes(self.token_bytes, token_id)
 
     def _text_of(self, token_id: int) -> str:
-        return self._token_text[token_id] if 0 <= token_id < len(self._token_text) else ""
+        """As :meth:`_bytes_of`, from the decoded table (the two tables have one entry per id)."""
+        return self._token_text[token_id] if token_bytes(self.token_bytes, token_id) else ""
 
     def on_release(self, msg: m.ReleaseRequest) -> None:
         self.pending.pop(msg.req_id, None)

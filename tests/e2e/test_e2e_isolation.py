@@ -81,12 +81,12 @@ def greedy(server: StrideServer) -> str:
     return str(json.loads(data)["choices"][0]["text"])
 
 
-def open_stream(server: StrideServer, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, bytes]:
-    """A streamed request, sent; returns the connection and the first line read (or b"" if none yet)."""
+def open_stream(server: StrideServer, body: dict[str, Any]) -> http.client.HTTPConnection:
+    """A streamed request, sent (nothing read yet)."""
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", C, body=json.dumps({"stream": True, **body}), headers={"Content-Type": "application/json"})
-    return conn, b""
+    return conn
 
 
 def read_first_event(conn: http.client.HTTPConnection) -> bytes:
@@ -162,7 +162,7 @@ def test_seeds_are_64_bit_and_n_does_not_overflow_them(server: StrideServer) -> 
 def test_abort_reaches_a_request_behind_a_busy_tokenizer(server: StrideServer) -> None:
     long = body_of(server, prompt="Count:", max_tokens=CONTEXT - 10, ignore_eos=True)
     # Control: a stream the client keeps shows as running; hanging up frees it within a step or so.
-    conn, _ = open_stream(server, long)
+    conn = open_stream(server, long)
     assert read_first_event(conn).startswith(b"data: ")
     assert wait_for(lambda: server.metric("stride:num_seqs_running") == 1, 5)
     hang_up(conn)
@@ -173,7 +173,7 @@ def test_abort_reaches_a_request_behind_a_busy_tokenizer(server: StrideServer) -
     busy = threading.Thread(target=lambda: answer.append(server.post(C, body_of(server, prompt=BUSY_PROMPT))[0]))
     busy.start()
     time.sleep(0.3)  # the huge prompt is in the tokenizer's hands
-    conn, _ = open_stream(server, long)
+    conn = open_stream(server, long)
     time.sleep(0.2)
     hang_up(conn)
     busy.join(60)
@@ -187,10 +187,10 @@ def test_abort_reaches_a_request_behind_a_busy_tokenizer(server: StrideServer) -
 
 def test_abort_reaches_a_waiting_request(server: StrideServer) -> None:
     long = body_of(server, prompt="Count:", max_tokens=CONTEXT - 10, ignore_eos=True)
-    running = [open_stream(server, long)[0] for _ in range(2)]  # both sequence slots
+    running = [open_stream(server, long) for _ in range(2)]  # both sequence slots
     for conn in running:
         assert read_first_event(conn).startswith(b"data: ")
-    waiting, _ = open_stream(server, long)
+    waiting = open_stream(server, long)
     assert wait_for(lambda: server.metric("stride:num_requests_waiting") == 1, 5)
     hang_up(waiting)
     assert wait_for(lambda: server.metric("stride:num_requests_waiting") == 0, 5)
