@@ -71,6 +71,28 @@ def tiles_to_words(qweight: torch.Tensor, n: int) -> torch.Tensor:
 
 
 
+def narrow(w: W4A16Weight, dim: int, start: int, length: int) -> W4A16Weight:
+    """Rows ``[start, start + length)`` of the dense (N, K) weight W (``dim`` 0: output columns of the packed form)
+    or its columns (``dim`` 1: inputs, whole groups only), still packed. Column tiles are sliced as they are when the
+    range starts on a tile; otherwise the words are re-tiled."""
+    if dim == 1:
+        g = w.group_size
+        if start % g or length % g:
+            raise ValueError(f"inputs [{start}, {start + length}) are not whole groups of {g}")
+        return W4A16Weight(w.qweight[:, start // 8 : (start + length) // 8].contiguous(),
+                           w.scales[start // g : (start + length) // g].contiguous(),
+                           w.mins[start // g : (start + length) // g].contiguous(), g)
+    assert dim == 0, dim
+    scales, mins = (t[:, start : start + length].contiguous() for t in (w.scales, w.mins))
+    if start % TILE_N == 0:
+        qweight = w.qweight[start // TILE_N : cdiv(start + length, TILE_N)].clone()
+        if length % TILE_N:  # columns of the last tile past the range are padding now: zeros, as the format says
+            qweight[-1, :, length % TILE_N :] = 0
+    else:
+        qweight = words_to_tiles(tiles_to_words(w.qweight, w.out_features)[:, start : start + length])
+    return W4A16Weight(qweight, scales, mins, w.group_size)
+
+
 def check_weight(w: W4A16Weight) -> None:
     k, n = w.in_features, w.out_features
     assert w.qweight.dtype == torch.int32 and w.qweight.is_contiguous(), "qweight must be contiguous int32"

@@ -208,6 +208,10 @@ def max_blocks_per_seq(sched: SchedulerConfig, cache: CacheConfig) -> int:
     return -(-sched.max_model_len // cache.block_size)
 
 
+HEARTBEAT_INTERVAL_S = 0.25
+"""How often a serving rank tells the launcher it is alive."""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a rank worker loads and where it runs."""
@@ -248,9 +252,15 @@ class WorkerConfig:
     """Capture the decode graphs of up to 8 sequences with programmatic dependent launch (Hopper and later)."""
     autotune_cache: str = field(default_factory=env.AUTOTUNE_CACHE.get)
     """JSON file of autotuned kernel configurations; empty: ``~/.cache/stride/autotune.json``."""
+    hang_timeout_s: float = 3.0
+    """A serving rank that sends the launcher no heartbeat (every :data:`HEARTBEAT_INTERVAL_S`) for this long is
+    taken as hung (stopped, or stuck holding the interpreter): the launcher kills it and ends the launch, so its
+    peers are not left waiting in a collective (``--rank-hang-timeout``)."""
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size")
+        if self.hang_timeout_s <= 2 * HEARTBEAT_INTERVAL_S:
+            raise ValueError(f"hang_timeout_s must exceed two heartbeats ({2 * HEARTBEAT_INTERVAL_S} s)")
         if self.attention_backend not in ("", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         if self.w4a16.strip().lower() not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from stride.config import WorkerConfig
-from stride.model.tensor_names import GGUF_LAYER_TO_HF
+from stride.model.tensor_names import GGUF_EXPERTS_TO_HF, GGUF_LAYER_TO_HF
 from stride.workers.runner import ModelRunner, RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,15 +46,27 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
-    """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised 2-D)."""
+    """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised matrices,
+    Mixtral's experts stacked per layer)."""
     cfg = json.loads((hf / "config.json").read_text())
     weights = load_file(str(hf / "model.safetensors"))
     make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
     w = make["llama_writer"](cfg, str(out))
     names = {v: k for k, v in GGUF_LAYER_TO_HF.items()}
+    experts = cfg.get("num_local_experts", 0)
+    if experts:  # llama.cpp writes Mixtral as a llama with experts, each layer's in one (experts, out, in) tensor
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        for layer in range(cfg["num_hidden_layers"]):
+            for kind, hf in GGUF_EXPERTS_TO_HF.items():
+                key = f"model.layers.{layer}.{hf}.weight"
+                weights[f"blk.{layer}.{kind}.weight"] = torch.stack([weights.pop(key.format(e))
+                                                                    for e in range(experts)])
     for name, t in weights.items():
         a = t.numpy()
-        if name.startswith("model.layers."):
+        if name.startswith("blk."):
+            gname = name
+        elif name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             kind = names[rest.removesuffix(".weight")]
             if kind == "attn_q":
@@ -68,7 +80,7 @@ def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
                 "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight",
             }[name]
-        if a.ndim == 2 and qtype != "F32":
+        if a.ndim >= 2 and qtype != "F32":
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)
         else:

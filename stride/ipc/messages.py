@@ -295,7 +295,16 @@ class ProcessFailed(Message):
     index: int = 0
 
 
-TO_LAUNCHER = (ProcessReady, Progress, ProcessFailed)
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """A serving rank → launcher, every ``HEARTBEAT_INTERVAL_S``: alive, and its interpreter runs."""
+
+    TAG = "heartbeat"
+    role: str
+    index: int = 0
+
+
+TO_LAUNCHER = (ProcessReady, Progress, ProcessFailed, Heartbeat)
 
 ALL_MESSAGES = tuple(dict.fromkeys(TO_TOKENIZER + TO_SCHEDULER + TO_WORKER + TO_FRONTEND + TO_LAUNCHER
                                    + TO_CLIENT_SERVER + TO_CLIENT))

@@ -71,8 +71,10 @@ class Launch:
         self.port = 0
         self._closed = False
         self._last_shown = -1.0  # the last loading progress shown
+        self._heard: dict[tuple[str, int], float] = {}  # serving rank → when its last heartbeat came
         self._control_handlers: dict[type, Callable[[Any], None]] = {
-            m.ProcessReady: self._on_ready, m.ProcessFailed: self._on_failed, m.Progress: self._on_progress}
+            m.ProcessReady: self._on_ready, m.ProcessFailed: self._on_failed, m.Progress: self._on_progress,
+            m.Heartbeat: self._on_heartbeat}
 
     # -------------------------------------------------------------- start
 
@@ -104,6 +106,11 @@ class Launch:
 
     def _on_ready(self, msg: m.ProcessReady) -> None:
         self.ready[(msg.role, msg.index)] = msg
+        if msg.role == "worker":  # it beats from now on
+            self._heard[(msg.role, msg.index)] = time.monotonic()
+
+    def _on_heartbeat(self, msg: m.Heartbeat) -> None:
+        self._heard[(msg.role, msg.index)] = time.monotonic()
 
     def _on_failed(self, msg: m.ProcessFailed) -> None:
         raise LaunchError(f"{msg.role} {msg.index} failed: {msg.error}")
@@ -160,6 +167,13 @@ class Launch:
             code = proc.poll()
             if code is not None:
                 raise LaunchError(f"{role} {index} exited with status {code}")
+        now, limit = time.monotonic(), self.config.worker.hang_timeout_s
+        for (role, index), heard in self._heard.items():
+            if now - heard > limit:
+                # A hung rank is killed (SIGKILL reaches a stopped process too): its peers' collectives then fail
+                # at once instead of waiting out their timeout.
+                self.procs[(role, index)].kill()
+                raise LaunchError(f"{role} {index} sent no heartbeat for {now - heard:.1f} s: hung; killed it")
 
     def watch(self) -> int:
         """Until the stop flag is set (a signal) or a process fails. Returns the exit status."""
@@ -244,6 +258,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=WorkerConfig.quantize, metavar="none|w4a16|w4a16-g<N>",
                    help="quantise the projections to 4 bits at load (groups of 128 inputs, or N) and run them on "
                         "the W4A16 GEMM (default: as stored; a GGUF's Q4 projections are 4-bit on the GPU anyway)")
+    p.add_argument("--rank-hang-timeout", type=float, default=WorkerConfig.hang_timeout_s, metavar="SECONDS",
+                   help="a worker rank silent this long is taken as hung: the launch fails its requests and ends")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs for decode steps)")
     p.add_argument("--host", default=ServerConfig.host)
@@ -296,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, dtype=args.dtype, gpu=args.gpu,
                             tensor_parallel_size=args.tp, num_threads=args.threads,
                             cuda_graphs=not args.enforce_eager, quantize=args.quantize,
+                            hang_timeout_s=args.rank_hang_timeout,
                             **({"device": args.device} if args.device else {})),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
                             api_keys_file=args.api_keys, model_name=args.served_model_name,

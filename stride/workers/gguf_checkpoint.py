@@ -1,11 +1,11 @@
-"""Tensors and shape of a GGUF file, under HF names: dequantised to float32 with the ``gguf`` package (llama.cpp's
-Q/K row permutation undone, as transformers does when it loads a GGUF, so the two give the same model), or -- for
-the Q4_0/Q4_1 projections the 4-bit path keeps -- repacked as :class:`kernels.w4a16_format.W4A16Weight`. Names
-come from :mod:`stride.model.tensor_names`."""
+"""Tensors and shape of a GGUF file, under HF names, each read by region from the memory-mapped file (a rank's rows,
+or its inputs as whole quantisation blocks): dequantised to float32 with the ``gguf`` package (llama.cpp's Q/K row
+permutation undone, as transformers does when it loads a GGUF, so the two give the same model), or -- for the
+Q4_0/Q4_1 projections the 4-bit path keeps -- repacked as :class:`kernels.w4a16_format.W4A16Weight`. Names come
+from :mod:`stride.model.tensor_names`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 
 from stride.model.args import ModelArgs
 from stride.model.tensor_names import GGUF_EXPERTS_TO_HF, GGUF_LAYER_TO_HF, GGUF_TOP_TO_HF, PROJECTIONS
+from stride.workers.checkpoint import CheckpointTensor, Region
 
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 """GGUF tensor types we dequantise (the ones tested); others are refused with their name."""
@@ -88,58 +89,91 @@ def _to_torch(data: np.ndarray) -> torch.Tensor:
 
 
 def _unpermute_gguf(kind: str, rows: np.ndarray, args: ModelArgs) -> np.ndarray:
-    if kind == "attn_q":
-        return unpermute_qk(rows, args.num_heads)
-    if kind == "attn_k":
-        return unpermute_qk(rows, args.num_kv_heads)
+    """Rows of whole heads (a rank's, or all of them) of q/k back in HF's order; other tensors as they are."""
+    if kind in ("attn_q", "attn_k"):
+        return unpermute_qk(rows, rows.shape[0] // args.head_dim)
     return rows
 
 
-def _dequantized(t: Any) -> np.ndarray:
+def _raw_region(raw: np.ndarray, qtype: str, region: Region) -> np.ndarray | None:
+    """The stored bytes (or floats) of ``region`` of a 2-D tensor whose rows are ``raw``'s rows: rows as they are,
+    inputs as whole quantisation blocks of every row; ``None`` if the inputs cut a block."""
+    if region is None:
+        return raw
+    dim, start, length = region
+    if dim == 0:
+        return raw[start : start + length]
     import gguf
 
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    if start % block or length % block:
+        return None
+    per = nbytes // raw.itemsize  # entries of raw per block (bytes of quantised rows, floats of F32/F16 ones)
+    return raw[:, start // block * per : (start + length) // block * per]
 
 
-def _packed_q4(t: Any, kind: str, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
-    """A Q4_0/Q4_1 projection as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
-    and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same
-    rows move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
+def _dense_reader(raw: np.ndarray, qtype: str, kind: str, args: ModelArgs) -> Any:
+    import gguf
+
+    def read(region: Region) -> torch.Tensor:
+        part = _raw_region(raw, qtype, region)
+        if part is None:  # inputs inside a block: the whole rows, then the slice (no model splits so)
+            assert region is not None
+            return read(None).narrow(region[0], region[1], region[2])
+        if region is not None and region[0] == 1:
+            part = np.ascontiguousarray(part)
+        data = gguf.quants.dequantize(part, gguf.GGMLQuantizationType[qtype]).astype(np.float32, copy=False)
+        return _to_torch(_unpermute_gguf(kind, data, args))
+    return read
+
+
+def _packed_reader(raw: np.ndarray, qtype: str, kind: str, args: ModelArgs, scale_dtype: torch.dtype) -> Any:
+    """A Q4_0/Q4_1 projection read as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
+    and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same rows
+    move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
     from kernels.w4a16_format import from_gguf_q4
 
-    k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
-    rows = np.asarray(t.data).reshape(n, -1)
-    rows = _unpermute_gguf(kind, rows, args)
-    return from_gguf_q4(rows, t.tensor_type.name, (n, k), scale_dtype)
+    block_bytes = 18 if qtype == "Q4_0" else 20
+
+    def read(region: Region) -> Any:
+        part = _raw_region(raw, qtype, region)
+        if part is None:
+            raise ValueError(f"a 4-bit shard must be whole blocks of 32 inputs, not {region}")
+        rows = _unpermute_gguf(kind, np.ascontiguousarray(part), args)
+        return from_gguf_q4(rows, qtype, (rows.shape[0], rows.shape[1] // block_bytes * 32), scale_dtype)
+    return read
 
 
-def gguf_tensors(
-    reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype
-) -> Iterator[tuple[str, Any]]:
-    """``(HF name, tensor)``: dequantised float32 tensors, and W4A16Weight for the GGUF names in ``packed``."""
+def gguf_tensors(reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype) -> list[CheckpointTensor]:
+    """Every tensor under its HF name (Mixtral's experts one per expert), each read by region from the memory-mapped
+    file: dequantised to float32, or as a W4A16Weight for the GGUF names in ``packed``."""
+    out = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # already in ModelArgs
         qtype = t.tensor_type.name
         if qtype not in GGUF_TYPES:
             raise ValueError(f"GGUF tensor {t.name} has type {qtype}; supported: {', '.join(GGUF_TYPES)}")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
+        raw = np.asarray(t.data)
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, kind = parts[1], parts[2]
             prefix = f"model.layers.{layer}."
             if kind in GGUF_EXPERTS_TO_HF:  # (num_experts, out, in): one HF tensor per expert
-                data = _dequantized(t)
-                for e in range(data.shape[0]):
-                    yield f"{prefix}{GGUF_EXPERTS_TO_HF[kind].format(e)}.weight", _to_torch(data[e])
+                for e in range(shape[0]):
+                    out.append(CheckpointTensor(f"{prefix}{GGUF_EXPERTS_TO_HF[kind].format(e)}.weight", shape[1:],
+                                                _dense_reader(raw[e], qtype, kind, args)))
                 continue
             if kind not in GGUF_LAYER_TO_HF:
                 raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
             name = prefix + GGUF_LAYER_TO_HF[kind] + ".weight"
-            if t.name in packed:
-                yield name, _packed_q4(t, kind, args, scale_dtype)
-                continue
-            yield name, _to_torch(_unpermute_gguf(kind, _dequantized(t), args))
+            read = (_packed_reader(raw, qtype, kind, args, scale_dtype) if t.name in packed
+                    else _dense_reader(raw, qtype, kind, args))
+            out.append(CheckpointTensor(name, shape, read))
         elif parts[0] in GGUF_TOP_TO_HF:
-            yield GGUF_TOP_TO_HF[parts[0]] + ".weight", _to_torch(_dequantized(t))
+            out.append(CheckpointTensor(GGUF_TOP_TO_HF[parts[0]] + ".weight", shape,
+                                        _dense_reader(raw, qtype, parts[0], args)))
         else:
             raise KeyError(f"GGUF tensor {t.name} is not a Llama/Mixtral tensor")
+    return out

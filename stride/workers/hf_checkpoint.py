@@ -1,16 +1,16 @@
-"""Tensors of an HF checkpoint directory (``*.safetensors``, sharded with an index or not), streamed one at a time
-under their HF names."""
+"""Tensors of an HF checkpoint directory (``*.safetensors``, sharded with an index or not) under their HF names,
+each read by region straight from its memory-mapped file (safetensors' slices), so a rank reads only its part."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
+from stride.workers.checkpoint import CheckpointTensor, Region
 
 
-def safetensors_stream(root: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+def safetensors_tensors(root: Path) -> list[CheckpointTensor]:
     from safetensors import safe_open
 
     index = root / "model.safetensors.index.json"
@@ -20,15 +20,22 @@ def safetensors_stream(root: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], 
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {root}")
-    total = 0
+    handles: dict[str, Any] = {}  # file → its open (memory-mapped) safetensors handle, opened on first read
+
+    def reader(f: str, name: str) -> Any:
+        def read(region: Region) -> Any:
+            if f not in handles:
+                handles[f] = safe_open(str(root / f), framework="pt")
+            part = handles[f].get_slice(name)
+            if region is None:
+                return part[:]
+            dim, start, length = region
+            return part[(slice(None),) * dim + (slice(start, start + length),)]
+        return read
+
+    out = []
     for f in files:
         with safe_open(str(root / f), framework="pt") as st:
-            total += len(list(st.keys()))
-
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
-            with safe_open(str(root / f), framework="pt") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
-
-    return stream(), total
+            for name in st.keys():
+                out.append(CheckpointTensor(name, tuple(st.get_slice(name).get_shape()), reader(f, name)))
+    return out

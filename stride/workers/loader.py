@@ -2,8 +2,11 @@
 (:mod:`stride.workers.gguf_checkpoint`), with projections quantised as they load where asked
 (:mod:`stride.workers.quantize_at_load`).
 
-Both paths stream ``(hf_name, tensor)`` pairs into :meth:`Transformer.load_weight`, one tensor at a time, so
-peak host memory is one tensor, not the checkpoint; tensors are cast to the run dtype on the way.
+Both give the checkpoint's tensors as :class:`~stride.workers.checkpoint.CheckpointTensor` s, read by region from
+their memory-mapped files. For each, the module it loads into (:meth:`Transformer.target`) names the region this
+tensor-parallel rank holds; only that is read, cast to the run dtype, and stored. So a rank reads about 1/N of every
+split weight (the norms and Mixtral's router are whole on every rank), and peak host memory is one tensor's part,
+not the checkpoint. :class:`LoadReport` counts what was read.
 
 With ``w4a16`` (:func:`use_w4a16`: by default on CUDA with the triton backend) a GGUF's Q4_0/Q4_1 projections
 (q/k/v, o, gate/up, down) are not dequantised: their modules become :class:`W4A16Linear` before anything is
@@ -23,7 +26,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 
@@ -32,8 +35,9 @@ from tqdm import tqdm
 
 from stride import env
 from stride.model.files import default_model_path, is_gguf
+from stride.workers.checkpoint import Part
 from stride.workers.gguf_checkpoint import gguf_args, gguf_tensors, w4a16_projections
-from stride.workers.hf_checkpoint import safetensors_stream
+from stride.workers.hf_checkpoint import safetensors_tensors
 from stride.workers.models import ModelArgs, Transformer, build_model
 from stride.workers.models.layers import W4A16Linear
 from stride.workers.quantize_at_load import quantizable, quantizing
@@ -42,6 +46,14 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, float], None]
 """``(message, fraction done in [0, 1])``: lets the worker process report loading to the launcher."""
+
+@dataclass
+class LoadReport:
+    """What a load read from disk: elements of the checkpoint's (dense) tensors, of all it holds."""
+
+    elements_read: int = 0
+    elements_total: int = 0
+
 
 def use_w4a16(device_type: str, backend: str, setting: str = "") -> bool:
     """Whether the worker keeps GGUF Q4 projections 4-bit: ``setting`` (``WorkerConfig.w4a16``) when set, else
@@ -70,12 +82,13 @@ def load_model(
     tp_size: int = 1,
     w4a16: bool = False,
     quantize_group: int = 0,
+    report: LoadReport | None = None,
 ) -> Transformer:
     """Build the model of ``path`` (empty: :func:`default_model_path`) on ``device`` in ``dtype`` and load its
     weights. Raises if a checkpoint tensor has no place in the model or a parameter was never loaded.
     ``w4a16``: keep a GGUF's Q4_0/Q4_1 projections packed (module docstring); ignored for other checkpoints.
     ``quantize_group`` > 0: quantise every other projection to 4 bits in groups of that many inputs (implies
-    ``w4a16``)."""
+    ``w4a16``). ``report``: filled with what was read."""
     path = path or default_model_path()
     device = torch.device(device)
     w4a16 = w4a16 or quantize_group > 0
@@ -92,10 +105,10 @@ def load_model(
         reader = gguf.GGUFReader(path)
         args = gguf_args(reader)
         packed = w4a16_projections(reader, args) if w4a16 else {}
-        tensors, total = gguf_tensors(reader, args, set(packed), scale_dtype), len(reader.tensors)
+        tensors = gguf_tensors(reader, args, set(packed), scale_dtype)
     else:
         args = read_model_args(path)
-        tensors, total = safetensors_stream(Path(path))
+        tensors = safetensors_tensors(Path(path))
     groups = dict.fromkeys(packed.values(), 32)  # module path → group size of its W4A16Linear
     quantized: set[str] = set()  # HF names of the tensors quantised as they load
     with torch.device("meta"):
@@ -116,16 +129,22 @@ def load_model(
         tensors = quantizing(tensors, quantized, quantize_group, device, scale_dtype)
     _materialize(model, device, dtype)
     label = f"loading {os.path.basename(path.rstrip('/'))}"
-    with tqdm(total=total, desc=label, unit="tensor", disable=None) as bar:
-        for done, (name, tensor) in enumerate(tensors, 1):
-            if isinstance(tensor, torch.Tensor):
-                model.load_weight(name, tensor.to(device=device, dtype=dtype))
-            else:  # a packed W4A16Weight: its dtypes stay
-                parts = {f: getattr(tensor, f).to(device) for f in ("qweight", "scales", "mins")}
-                model.load_weight(name, replace(tensor, **parts))
+    report = report if report is not None else LoadReport()
+    with tqdm(total=len(tensors), desc=label, unit="tensor", disable=None) as bar:
+        for done, tensor in enumerate(tensors, 1):
+            report.elements_total += tensor.numel(None)
+            target = model.target(tensor.name)
+            if target is not None:
+                module, shard = target
+                region = module.region(shard, tensor.shape)
+                module.load_part(_onto(tensor.read(region), device, dtype), shard)
+                report.elements_read += tensor.numel(region)
             bar.update(1)
             if progress is not None:
-                progress(label, done / total)
+                progress(label, done / len(tensors))
+    if tp_size > 1:
+        log.info("rank %d/%d read %.3g of the checkpoint's %.3g elements (%.0f%%)", tp_rank, tp_size,
+                 report.elements_read, report.elements_total, 100 * report.elements_read / report.elements_total)
     # Packed projections keep NaN in their scale buffers until loaded, as dense parameters do.
     missing = [
         n for n, p in chain(model.named_parameters(), model.named_buffers())
@@ -135,6 +154,13 @@ def load_model(
         raise ValueError(f"{path}: parameters not in the checkpoint: {missing[:8]}")
     model.eval()
     return model
+
+
+def _onto(part: Part, device: torch.device, dtype: torch.dtype) -> Part:
+    """A part read from disk on ``device``: dense ones in the run dtype, packed ones keeping their dtypes."""
+    if isinstance(part, torch.Tensor):
+        return part.to(device=device, dtype=dtype)
+    return replace(part, **{f: getattr(part, f).to(device) for f in ("qweight", "scales", "mins")})
 
 
 def _materialize(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:

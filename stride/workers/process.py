@@ -14,6 +14,7 @@ model fault: the step's error ends the launch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stride.config import StrideConfig
+from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig
 from stride.ipc import messages as m
 from stride.ipc.layouts import MAX_TOP_LOGPROBS, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
@@ -162,11 +163,26 @@ class SimStepper:
         return []
 
 
+def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event) -> None:
+    """Tell the launcher every :data:`HEARTBEAT_INTERVAL_S` that this rank's interpreter runs (a daemon thread with
+    its own socket). A rank stopped, or stuck in native code that holds the interpreter, falls silent; one waiting in
+    a collective for such a peer keeps beating, and the launcher ends the launch on the silent one."""
+    out: PushQueue[m.Message] = PushQueue(ctx, address)
+    try:
+        while not stop.wait(HEARTBEAT_INTERVAL_S):
+            out.put_nowait(m.Heartbeat("worker", rank))
+    except zmq.ZMQError:  # the process is ending: its context went first
+        pass
+    finally:
+        out.close()
+
+
 def run(config: StrideConfig, rank: int = 0) -> int:
     """Process entry point of tensor-parallel rank ``rank``."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
     buf = None
+    beating = threading.Event()
     try:
         def progress(message: str, fraction: float) -> None:
             control.put(m.Progress("worker", message, fraction))
@@ -182,6 +198,8 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         peers: list[PushQueue[m.Message]] = ([PushQueue(ctx, config.ipc.worker_rank_address(r))
                                                for r in range(1, num_ranks)] if rank == 0 else [])
         to_sched: PushQueue[m.Message] = PushQueue(ctx, config.ipc.scheduler_address())
+        threading.Thread(target=_heartbeat, args=(ctx, config.ipc.control_address(), rank, beating),
+                         name="heartbeat", daemon=True).start()
         control.put(m.ProcessReady("worker", rank, num_blocks=stepper.num_blocks, vocab_size=stepper.vocab_size))
         layout = StepLayout.from_config(config.scheduler, config.cache)
         while True:
@@ -209,6 +227,7 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))
         return 1
     finally:
+        beating.set()
         if buf is not None:
             buf.close()
         ctx.destroy(linger=200)

@@ -1,15 +1,15 @@
-"""Quantise-at-load (``--quantize w4a16[-g<N>]``): which dense projections become 4-bit, and the tensor stream with
-theirs quantised on the device as they arrive (:func:`kernels.w4a16_format.quantize`)."""
+"""Quantise-at-load (``--quantize w4a16[-g<N>]``): which dense projections become 4-bit, and the checkpoint's
+tensors with theirs quantised on the device as they are read (:func:`kernels.w4a16_format.quantize`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from stride.model.args import ModelArgs
 from stride.model.tensor_names import PROJECTIONS
+from stride.workers.checkpoint import CheckpointTensor
 from stride.workers.models import Transformer
 
 
@@ -28,16 +28,16 @@ def quantizable(model: Transformer, args: ModelArgs) -> dict[str, list[str]]:
     return out
 
 
-def quantizing(
-    tensors: Iterator[tuple[str, Any]], names: set[str], group: int, device: torch.device, scale_dtype: torch.dtype
-) -> Iterator[tuple[str, Any]]:
-    """The stream with the tensors in ``names`` quantised on ``device`` (in float32, whatever the run dtype)."""
+def quantizing(tensors: list[CheckpointTensor], names: set[str], group: int, device: torch.device,
+               scale_dtype: torch.dtype) -> list[CheckpointTensor]:
+    """The tensors, those in ``names`` quantised on ``device`` (in float32, whatever the run dtype) as each part is
+    read: a rank quantises only its part, which gives the same codes as quantising the whole and slicing it, as
+    groups run along the inputs and a row-parallel part is whole groups."""
     from kernels.w4a16_format import quantize
 
-    for name, tensor in tensors:
-        if name in names:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name}: expected a dense tensor to quantise")
-            yield name, quantize(tensor.to(device), group, scale_dtype)
-        else:
-            yield name, tensor
+    def quantized(part: Any) -> Any:
+        if not isinstance(part, torch.Tensor):
+            raise TypeError("expected a dense tensor to quantise")
+        return quantize(part.to(device), group, scale_dtype)
+
+    return [t.map(quantized) if t.name in names else t for t in tensors]

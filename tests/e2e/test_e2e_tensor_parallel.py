@@ -1,7 +1,7 @@
 """End to end on the CPU: ``stride serve --tp 3`` runs the default model (9 heads, 3 KV heads) on three gloo ranks.
 Its greedy text equals one rank's, except where one rank's top two choices are near-tied; a split the model cannot
-take is refused before anything loads; and killing one rank under load fails the requests within 5 s and leaves
-no process, segment or runtime directory."""
+take is refused before anything loads; and one rank killed or stopped under load fails the requests within 5 s and
+leaves no process, segment or runtime directory."""
 
 from __future__ import annotations
 
@@ -79,7 +79,10 @@ def test_a_split_the_model_cannot_take_is_refused() -> None:
 
 
 @pytest.mark.slow
-def test_killing_one_rank_fails_requests_and_leaves_nothing() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_fails_requests_and_leaves_nothing(sig: signal.Signals) -> None:
+    """SIGKILL: the launcher sees the rank exit. SIGSTOP: the rank is alive but silent, its peers wait in an
+    all-reduce (whose own timeout is 60 s); the launcher misses its heartbeats, kills it and ends the launch."""
     srv = StrideServer("--tp", "3", "--max-model-len", "512", "--num-blocks", "64", "--tokenizer-workers", "1").start()
     children = srv.child_pids()
     outcome: list[object] = []
@@ -98,7 +101,7 @@ def test_killing_one_rank_fails_requests_and_leaves_nothing() -> None:
         t.start()
         assert wait_for(lambda: bool(outcome), 60), srv.tail()
         killed_at = time.monotonic()
-        os.kill(children["worker 2"], signal.SIGKILL)
+        os.kill(children["worker 2"], sig)
         t.join(30)
         assert isinstance(outcome[-1], StrideError), outcome
         assert time.monotonic() - killed_at < 5.0

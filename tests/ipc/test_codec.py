@@ -31,6 +31,7 @@ EXAMPLES: list[m.Message] = [
     m.ProcessReady("worker", 0, num_blocks=12, vocab_size=320),
     m.Progress("worker", "loading", 0.5),
     m.ProcessFailed("worker", "cuda oom", 1),
+    m.Heartbeat("worker", 2),
     m.SchedulerStats(3, 4, 10, 5, 1, 2),
     m.ClientGenerate("c1", "key", prompt="hi", params={"max_tokens": 3, "stop": ["x"]}),
     m.ClientAbort("c1"),

@@ -14,8 +14,10 @@ from kernels import w4a16_policy as w4p
 from kernels.w4a16 import dequantize_into, w4a16_matmul
 from kernels.w4a16_format import (
     W4A16Weight,
+    check_weight,
     dequantize,
     from_gguf_q4,
+    narrow,
     pack_codes,
     quantize,
     random_weight,
@@ -397,3 +399,21 @@ def test_quantize_edge_cases():
     with pytest.raises(ValueError, match="range"):
         quantize(torch.full((8, 64), 1e6), 32)  # beyond float16's mins
     assert torch.isfinite(quantize(torch.full((8, 64), 1e6), 32, torch.float32).mins).all()
+
+
+@pytest.mark.parametrize("dim,start,length", [(0, 32, 64), (0, 0, 40), (0, 8, 50), (1, 64, 128), (1, 0, 32)])
+def test_narrow_is_the_slice_of_the_dense_weight(dim, start, length):
+    """A packed weight's rows (on a tile, ending inside one; off tiles) or inputs (whole groups), still packed:
+    a valid weight, the slice of the dense one, its last tile's padding zero."""
+    w = random_weight(123, 256, scale_dtype=torch.float32, seed=4)
+    part = narrow(w, dim, start, length)
+    check_weight(part)
+    assert torch.equal(dequantize(part), dequantize(w).narrow(dim, start, length))
+    pad = part.out_features % 32
+    if pad:
+        assert not part.qweight[-1, :, pad:].any()
+    # Negative control: the same rows one tile on are another weight.
+    if dim == 0 and start + length + 32 <= 123:
+        assert not torch.equal(dequantize(narrow(w, 0, start + 32, length)), dequantize(part))
+    with pytest.raises(ValueError, match="whole groups"):
+        narrow(w, 1, 16, 32)

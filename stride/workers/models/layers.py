@@ -1,11 +1,12 @@
 """Building blocks shared by the model families: Megatron-ready linears, RMSNorm, RoPE, the gated MLP.
 
-Tensor parallelism is not wired yet (one rank), but every projection already says how it would split:
-:class:`ColumnParallelLinear` keeps a slice of the output features per rank (q/k/v, gate/up; no
-communication), :class:`RowParallelLinear` a slice of the input features (o, down; its partial sums would
-be all-reduced). Weights are loaded through ``load_full`` with the *unsharded* checkpoint tensor, so the
-loader never needs to know the rank. Merged projections (qkv, gate_up) hold several checkpoint tensors
-side by side in one weight, which is one matmul instead of three on the hot path.
+Every projection is built for one tensor-parallel rank and says how it splits: :class:`ColumnParallelLinear`
+keeps a slice of the output features per rank (q/k/v, gate/up; no communication), :class:`RowParallelLinear` a
+slice of the input features (o, down; :mod:`stride.workers.parallel` all-reduces its partial sums). Each leaf that
+holds checkpoint weights is a :class:`Loadable`: ``region(shard, shape)`` names the part of a checkpoint tensor
+this rank takes, which is all the loader reads from disk, and ``load_part`` stores that part. Merged projections
+(qkv, gate_up) hold several checkpoint tensors side by side in one weight, which is one matmul instead of three on
+the hot path.
 
 RMSNorm, RoPE and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
 Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, q and k rotated in place in one
@@ -29,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
+
 if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
-    from kernels.w4a16_format import W4A16Weight
     from stride.workers.kernel_configs import KernelConfigs
 
 
@@ -57,7 +59,23 @@ def column_slices(output_sizes: Sequence[int], units: Sequence[int] | None, tp_r
     return out
 
 
-class ColumnParallelLinear(nn.Module):
+class Loadable(nn.Module):
+    """A module holding checkpoint weights: the region of each checkpoint tensor it takes, and where that goes."""
+
+    def region(self, shard: int, shape: tuple[int, ...]) -> Region:
+        """The part of checkpoint tensor number ``shard`` (of ``shape``, unsharded) this rank holds."""
+        return None
+
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        """Store the part :meth:`region` named."""
+        raise NotImplementedError
+
+    def load_full(self, full: Part, shard: int = 0) -> None:
+        """Store this rank's part of an unsharded tensor already in memory."""
+        self.load_part(narrow(full, self.region(shard, shape_of(full))), shard)
+
+
+class ColumnParallelLinear(Loadable):
     """``y = x @ W.T`` with W's rows (output features) split across ranks.
 
     ``output_sizes`` lists the unsharded checkpoint tensors merged into this one (e.g. q, k, v); each is
@@ -75,17 +93,19 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = [size for _, size in self.slices]
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        """Copy this rank's rows of the unsharded checkpoint tensor number ``shard`` into place."""
+    def region(self, shard: int, shape: tuple[int, ...]) -> Region:
         start, size = self.slices[shard]
+        return (0, start, size)
+
+    def load_part(self, part: Part, shard: int = 0) -> None:
         offset = sum(self.output_sizes[:shard])
-        self.weight.data[offset : offset + size].copy_(full.narrow(0, start, size))
+        self.weight.data[offset : offset + self.output_sizes[shard]].copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Loadable):
     """``y = x @ W.T`` with W's columns (input features) split across ranks; outputs are partial sums."""
 
     def __init__(self, in_features: int, out_features: int, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -95,22 +115,24 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
+    def region(self, shard: int, shape: tuple[int, ...]) -> Region:
         size = self.weight.shape[1]
-        self.weight.data.copy_(full.narrow(1, self.tp_rank * size, size))
+        return (1, self.tp_rank * size, size)
+
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        self.weight.data.copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With tp_size > 1 an all-reduce of the partial sums goes here.
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight)  # partial sums with tp_size > 1: the tensor-parallel pass all-reduces them
 
 
-class W4A16Linear(nn.Module):
+class W4A16Linear(Loadable):
     """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16_format.W4A16Weight`, as buffers ``qweight``
     (ceil(N / 32), K // 8, 32), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
 
     Stands in for a :class:`ColumnParallelLinear` (``split="column"``: a rank keeps its columns of N, shard by
     shard, as there) or a :class:`RowParallelLinear` (``split="row"``: its slice of K, whole groups only).
-    ``load_full`` takes an unsharded ``W4A16Weight`` (already on the device) instead of a dense tensor.
+    Its parts are packed ``W4A16Weight`` s (on the device), not dense tensors.
     """
 
     qweight: torch.Tensor
@@ -158,39 +180,41 @@ class W4A16Linear(nn.Module):
     def in_features(self) -> int:
         return int(self.qweight.shape[1]) * 8
 
-    def load_full(self, full: W4A16Weight, shard: int = 0) -> None:
-        """Copy this rank's part of the unsharded packed weight number ``shard`` into place."""
-        if full.group_size != self.group_size:
-            raise ValueError(f"group size {full.group_size}, expected {self.group_size}")
-        w4a16 = _kernel("w4a16_format")
-        if self.split == "column":  # packed columns are W's rows: slice and place them like rows there
+    def region(self, shard: int, shape: tuple[int, ...]) -> Region:
+        if self.split == "column":  # packed columns are W's rows
             start, size = self.slices[shard]
-            offset = sum(self.output_sizes[:shard])
-            for dst, src in ((self.scales, full.scales), (self.mins, full.mins)):
-                dst[:, offset : offset + size].copy_(src.narrow(1, start, size))
-            tile = w4a16.TILE_N
-            if offset % tile == 0 and start % tile == 0 and size % tile == 0:  # whole tiles (the usual case)
-                first, count = start // tile, size // tile
-                self.qweight[offset // tile : offset // tile + count].copy_(full.qweight[first : first + count])
-                return
-            # Shards inside tiles: the words as a (K // 8, N) matrix, then tiled again.
-            words = w4a16.tiles_to_words(self.qweight, sum(self.output_sizes))
-            src_words = w4a16.tiles_to_words(full.qweight, full.out_features)
-            words[:, offset : offset + size].copy_(src_words.narrow(1, start, size))
-            self.qweight.copy_(w4a16.words_to_tiles(words))
-        else:
-            k = self.in_features
-            self.qweight.copy_(full.qweight.narrow(1, self.tp_rank * k // 8, k // 8))
-            groups = k // self.group_size
-            self.scales.copy_(full.scales.narrow(0, self.tp_rank * groups, groups))
-            self.mins.copy_(full.mins.narrow(0, self.tp_rank * groups, groups))
+            return (0, start, size)
+        k = self.in_features
+        return (1, self.tp_rank * k, k)
+
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        """Copy a packed part (the rows or inputs :meth:`region` named) into place."""
+        w = packed(part)
+        if w.group_size != self.group_size:
+            raise ValueError(f"group size {w.group_size}, expected {self.group_size}")
+        if self.split == "row":
+            for dst, src in ((self.qweight, w.qweight), (self.scales, w.scales), (self.mins, w.mins)):
+                dst.copy_(src)
+            return
+        w4a16 = _kernel("w4a16_format")
+        offset, size = sum(self.output_sizes[:shard]), self.output_sizes[shard]
+        for dst, src in ((self.scales, w.scales), (self.mins, w.mins)):
+            dst[:, offset : offset + size].copy_(src)
+        tile = w4a16.TILE_N
+        if offset % tile == 0 and size % tile == 0:  # whole tiles (the usual case)
+            self.qweight[offset // tile : (offset + size) // tile].copy_(w.qweight)
+            return
+        # Shards inside tiles: the words as a (K // 8, N) matrix, then tiled again.
+        words = w4a16.tiles_to_words(self.qweight, sum(self.output_sizes))
+        words[:, offset : offset + size].copy_(w4a16.tiles_to_words(w.qweight, size))
+        self.qweight.copy_(w4a16.words_to_tiles(words))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = _kernel("w4a16_format").W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         config = _tuned(x.device).w4a16(x2.shape[0], weight.out_features, x2.shape[1], self.group_size, x.dtype)
         y = _kernel("w4a16").w4a16_matmul(x2, weight, config=config)
-        # With split="row" and tp_size > 1 an all-reduce of the partial sums goes here.
+        # split="row" with tp_size > 1: partial sums, which the tensor-parallel pass all-reduces
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -213,7 +237,7 @@ def _tuned(device: torch.device) -> KernelConfigs:
     return for_device(device)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Loadable):
     """Normalised in float32, scaled in the run dtype, exactly as transformers' Llama does."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -222,8 +246,8 @@ class RMSNorm(nn.Module):
         self.fused = False
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(full)
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        self.weight.data.copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -243,16 +267,25 @@ class RMSNorm(nn.Module):
         return self.forward(h), h
 
 
-def _load_vocab_rows(weight: torch.Tensor, full: torch.Tensor, tp_rank: int) -> None:
-    """This rank's rows of a (vocab, dim) matrix; rows past the vocabulary (the last rank's padding) are zero."""
-    rows = weight.shape[0]
-    start = tp_rank * rows
-    take = max(0, min(rows, full.shape[0] - start))
-    weight.data[:take].copy_(full.narrow(0, start, take))
-    weight.data[take:].zero_()
+class _VocabRows(Loadable):
+    """A (vocab, dim) matrix split by rows: rank r holds rows ``[r * rows, (r + 1) * rows)``, those past the
+    vocabulary (the last rank's padding) zero."""
+
+    weight: nn.Parameter
+    tp_rank: int
+
+    def region(self, shard: int, shape: tuple[int, ...]) -> Region:
+        rows = self.weight.shape[0]
+        start = min(self.tp_rank * rows, shape[0])
+        return (0, start, min(rows, shape[0] - start))
+
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        take = part.shape[0]
+        self.weight.data[:take].copy_(part)
+        self.weight.data[take:].zero_()
 
 
-class Embedding(nn.Module):
+class Embedding(_VocabRows):
     """Token embeddings, vocabulary-parallel: rank r holds rows ``[r * rows, (r + 1) * rows)`` (``rows`` the
     vocabulary over the ranks, rounded up) and gives zeros for the other ids, so the ranks' outputs sum (the
     tensor-parallel pass's all-reduce) to the embedding."""
@@ -263,9 +296,6 @@ class Embedding(nn.Module):
         rows = -(-vocab_size // tp_size)
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        _load_vocab_rows(self.weight, full, self.tp_rank)
-
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(token_ids, self.weight)
@@ -275,7 +305,7 @@ class Embedding(nn.Module):
         return out.masked_fill_(outside[:, None], 0.0)
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(_VocabRows):
     """The output projection, split by vocabulary rows as :class:`Embedding` is (so a tied head shares its weight):
     each rank's logits are its slice; the tensor-parallel pass gathers them, once per pass."""
 
@@ -283,9 +313,6 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp_size), hidden_size), requires_grad=False)
-
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        _load_vocab_rows(self.weight, full, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

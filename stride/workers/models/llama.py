@@ -1,14 +1,13 @@
 """Llama (2, 3, 3.1 with llama3 RoPE scaling; SmolLM2 is one) over flattened tokens and the paged KV cache.
 
-Parameters are named after the modules here, not after the checkpoint; :meth:`Transformer.load_weight`
-maps HF checkpoint names (``model.layers.3.self_attn.q_proj.weight``) onto them and their shards.
+Parameters are named after the modules here, not after the checkpoint; :meth:`Transformer.target` maps HF
+checkpoint names (``model.layers.3.self_attn.q_proj.weight``) onto them and their shards.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from stride.workers.models.layers import (
     ColumnParallelLinear,
     Embedding,
     GatedMLP,
+    Loadable,
     RMSNorm,
     Rope,
     RowParallelLinear,
@@ -149,29 +149,28 @@ class Transformer(nn.Module):
         vocabulary, which :func:`stride.workers.parallel.apply_tensor_parallel` gathers)."""
         return self.lm_head(hidden).float()
 
-    def _loadable(self, path: str) -> Any:
-        """The module at ``path``; every leaf with parameters here has ``load_full(tensor, shard)``."""
-        return self.get_submodule(path)
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Load one unsharded HF-named checkpoint tensor; ``KeyError`` for a name with no place here."""
+    def target(self, name: str) -> tuple[Loadable, int] | None:
+        """The module and shard an HF-named checkpoint tensor loads into; ``None`` for a tensor to skip (the stored
+        copy of a tied head); ``KeyError`` for a name with no place here."""
         if name.endswith(".weight"):
             stem = name[: -len(".weight")]
             if stem in _TOP_RULES:
                 if stem == "lm_head" and self.args.tie_word_embeddings:
-                    return  # some checkpoints store the tied copy too
-                self._loadable(_TOP_RULES[stem]).load_full(tensor)
-                return
+                    return None  # some checkpoints store the tied copy too
+                return self._loadable(_TOP_RULES[stem]), 0
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
             if m:
                 layer, rest = m.group(1), m.group(2)
                 for pattern, target, shard in _LAYER_RULES + self.extra_rules:
                     sub = re.fullmatch(pattern, rest)
                     if sub:
-                        path = f"layers.{layer}.{target.format(*sub.groups())}"
-                        self._loadable(path).load_full(tensor, shard)
-                        return
+                        return self._loadable(f"layers.{layer}.{target.format(*sub.groups())}"), shard
         raise KeyError(f"checkpoint tensor {name!r} has no place in a {self.args.family} model")
+
+    def _loadable(self, path: str) -> Loadable:
+        module = self.get_submodule(path)
+        assert isinstance(module, Loadable), f"{path} holds no checkpoint weights"
+        return module
 
 
 def build(args: ModelArgs, tp_rank: int = 0, tp_size: int = 1) -> Transformer:

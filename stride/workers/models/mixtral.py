@@ -2,7 +2,8 @@
 
 Routing follows transformers exactly (softmax over all experts in float32, keep the top k, renormalise,
 weight each expert's output in float32). With tensor parallelism every rank keeps every expert and splits
-each expert's intermediate dimension like a dense MLP; expert parallelism would split the expert list.
+each expert's intermediate dimension like a dense MLP (w1/w3 column-parallel, w2 row-parallel), so expert memory
+is divided by the ranks; expert parallelism would split the expert list instead.
 """
 
 from __future__ import annotations
@@ -13,22 +14,23 @@ from torch import nn
 
 from stride.model.args import ModelArgs
 from stride.model.tensor_names import MOE, load_rules
-from stride.workers.models.layers import GatedMLP
+from stride.workers.checkpoint import Part
+from stride.workers.models.layers import GatedMLP, Loadable
 from stride.workers.models.llama import Transformer
 
 # HF (Hub-format) Mixtral names → our modules (stride.model.tensor_names: w1 = gate, w3 = up, w2 = down).
 MIXTRAL_RULES = load_rules(MOE)
 
 
-class Router(nn.Module):
+class Router(Loadable):
     """Replicated on every rank: (num_experts, hidden) logits weight."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
-    def load_full(self, full: torch.Tensor, shard: int = 0) -> None:
-        self.weight.data.copy_(full)
+    def load_part(self, part: Part, shard: int = 0) -> None:
+        self.weight.data.copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
