@@ -24,10 +24,12 @@ ALLOWED: dict[str, set[str]] = {
     "stride.sim": {"stride", "stride.ipc", "stride.planner", "stride.sched"},
     "stride.tokenizer": {"stride", "stride.ipc", "stride.model"},
     "stride.workers": {"stride", "stride.ipc", "stride.model", "stride.planner", "stride.sim", "kernels"},
+    "stride.diagnose": {"stride", "stride.model", "stride.tokenizer", "stride.workers", "kernels"},
     "stride.frontend": {"stride", "stride.ipc"},
     "stride.client": {"stride", "stride.ipc"},
     "stride.launch": {"stride", "stride.ipc", "stride.model", "stride.planner", "stride.sched", "stride.sim",
-                      "stride.tokenizer", "stride.workers", "stride.frontend", "stride.client", "kernels"},
+                      "stride.tokenizer", "stride.workers", "stride.frontend", "stride.client", "stride.diagnose",
+                      "kernels"},
 }
 
 

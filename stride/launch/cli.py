@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("stride.sim.simulate", "run a synthetic workload through the scheduler in logical time"),
     "replay": ("stride.sched.replay", "replay a recorded scheduler trace and report the first divergence"),
     "bench": ("stride.client.bench", "load-test an OpenAI-compatible endpoint"),
+    "diagnose": ("stride.diagnose.cli", "run a model two ways on the same tokens: the first layer where they part"),
 }
 
 

@@ -291,3 +291,22 @@ def test_w4a16_worker_on_cuda_matches_dense_bf16(
     bad_err = max((g - w).abs().max().item() for g, w in zip(bad_out, want, strict=True))
     print(f"negative control (nibbles swapped): cosine {bad_cos:.6f}, max logit error {bad_err:.4g}")
     assert bad_cos < 0.999 and bad_err > 2 * err
+
+
+def test_reference_path_of_a_4bit_projection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the torch backend a 4-bit projection runs the reference (the weight dequantised to float32 per call),
+    never the Triton GEMM; the runner switches it with the fused layers."""
+    from kernels.w4a16_format import random_weight
+
+    w = random_weight(64, 96, scale_dtype=torch.float32, seed=7)
+    linear = W4A16Linear(96, [64], "column", torch.float32)
+    linear.load_full(w)
+    layers.use_fused_kernels(linear, False)
+    fake = SimpleNamespace(w4a16_matmul=lambda *a, **k: pytest.fail("the Triton GEMM ran"))
+    monkeypatch.setitem(layers._KERNELS, "w4a16", fake)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(linear(x), x @ dequantize(w).t(), rtol=0, atol=1e-6)
+    # Control: switched back to the kernels, the GEMM is what runs.
+    layers.use_fused_kernels(linear, True)
+    with pytest.raises(pytest.fail.Exception, match="the Triton GEMM ran"):
+        linear(x)

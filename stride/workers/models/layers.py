@@ -17,7 +17,9 @@ take their launch configs from the autotune cache (:mod:`stride.workers.kernel_c
 heuristics where it has none.
 
 :class:`W4A16Linear` is the 4-bit variant of both linears: the loader swaps it in (before any weight is
-allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``).
+allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``). Its
+GEMM is a Triton kernel; under the torch backend it runs the reference instead (each call dequantises the weight to
+float32), which is also what makes a 4-bit model usable on a CPU without Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ class W4A16Linear(Loadable):
         super().__init__()
         assert split in ("column", "row"), split
         self.split, self.group_size, self.tp_rank, self.tp_size = split, group_size, tp_rank, tp_size
+        self.fused = True
+        """The W4A16 GEMM (Triton); False: the reference, the weight dequantised per call (the torch backend)."""
         self.output_sizes = list(output_sizes)  # this rank's, as ColumnParallelLinear.output_sizes
         # (first row, rows) of each merged checkpoint tensor this rank takes (ColumnParallelLinear.slices)
         self.slices = list(slices) if slices is not None else [(tp_rank * n, n) for n in self.output_sizes]
@@ -212,6 +216,9 @@ class W4A16Linear(Loadable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = _kernel("w4a16_format").W4A16Weight(self.qweight, self.scales, self.mins, self.group_size)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if not self.fused:  # the reference: the weights expanded to float32 for this call, one rounding
+            y = _kernel("w4a16_format").w4a16_reference(x2, weight)
+            return y.view(*x.shape[:-1], y.shape[-1])
         config = _tuned(x.device).w4a16(x2.shape[0], weight.out_features, x2.shape[1], self.group_size, x.dtype)
         y = _kernel("w4a16").w4a16_matmul(x2, weight, config=config)
         # split="row" with tp_size > 1: partial sums, which the tensor-parallel pass all-reduces
@@ -382,7 +389,8 @@ class GatedMLP(nn.Module):
 
 
 def use_fused_kernels(model: nn.Module, enabled: bool) -> None:
-    """Switch every RMSNorm, RoPE and gated MLP of ``model`` to the fused Triton kernels (or back)."""
+    """Switch every RMSNorm, RoPE, gated MLP and 4-bit projection of ``model`` to the Triton kernels (or back to
+    their PyTorch references)."""
     for module in model.modules():
-        if isinstance(module, RMSNorm | Rope | GatedMLP):
+        if isinstance(module, RMSNorm | Rope | GatedMLP | W4A16Linear):
             module.fused = enabled

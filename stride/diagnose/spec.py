@@ -1,0 +1,102 @@
+"""One side of a comparison (``--a``/``--b`` SPEC) and the error band expected of a pair.
+
+A SPEC is ``hf`` (HuggingFace transformers, the reference) or comma-separated settings of a Stride run:
+``tp=N``, ``backend=torch|triton`` (attention and fused layers), ``dtype=float32|bfloat16|float16``,
+``quantize=w4a16[-g<N>]``, ``graphs=on|off`` (decode steps from CUDA graphs), ``device=cpu|cuda``. ``hf`` takes
+``dtype`` and ``device`` too (``hf,dtype=bfloat16``). Unset settings are float32, one rank, the device's default
+backend, no graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from stride.config import quantize_group_size
+
+DTYPE_BANDS = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 5e-2}
+"""Relative error (‖a − b‖ / ‖b‖ of a layer's hidden states) that rounding alone stays under, per run dtype: float32
+reorders reductions at about 1e-7 per op and compounds to a few 1e-6 over a deep model; bf16 keeps 8 bits of
+mantissa (4e-3 per rounding), which compounds to a few 1e-2."""
+QUANTIZED_BAND = 0.3
+"""Where one side's weights are quantised to 4 bits and the other's are not: each projection is off by the
+quantisation error, about 0.1 relative, compounding."""
+JUMP = 10.0
+"""A point whose error grows this many times over the point before it, once it is past a third of the band, leaves
+the smooth growth of rounding too."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    hf: bool = False
+    tp: int = 1
+    backend: str = ""
+    dtype: str = "float32"
+    quantize: str = ""
+    graphs: bool = False
+    device: str = ""
+
+    @staticmethod
+    def parse(text: str) -> RunSpec:
+        """``ValueError`` naming the setting for anything it does not know."""
+        values: dict[str, object] = {}
+        for item in (p.strip() for p in text.split(",")):
+            if not item:
+                continue
+            if item == "hf":
+                values["hf"] = True
+                continue
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"{item!r}: expected hf or key=value")
+            if key == "tp":
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"tp must be a positive integer, got {value!r}")
+                values["tp"] = int(value)
+            elif key == "backend":
+                if value not in ("torch", "triton"):
+                    raise ValueError(f"backend must be torch or triton, got {value!r}")
+                values["backend"] = value
+            elif key == "dtype":
+                if value not in DTYPE_BANDS:
+                    raise ValueError(f"dtype must be one of {', '.join(DTYPE_BANDS)}, got {value!r}")
+                values["dtype"] = value
+            elif key == "quantize":
+                quantize_group_size(value)  # ValueError for a format it does not know
+                values["quantize"] = "" if value == "none" else value
+            elif key == "graphs":
+                if value not in ("on", "off"):
+                    raise ValueError(f"graphs must be on or off, got {value!r}")
+                values["graphs"] = value == "on"
+            elif key == "device":
+                if value not in ("cpu", "cuda"):
+                    raise ValueError(f"device must be cpu or cuda, got {value!r}")
+                values["device"] = value
+            else:
+                raise ValueError(f"unknown setting {key!r} (tp, backend, dtype, quantize, graphs, device, or hf)")
+        spec = RunSpec(**values)  # type: ignore[arg-type]
+        if spec.hf and (spec.tp != 1 or spec.backend or spec.quantize or spec.graphs):
+            raise ValueError("hf takes only dtype and device")
+        return spec
+
+    def label(self) -> str:
+        """The SPEC again, with the settings that differ from the defaults only."""
+        default = RunSpec()
+        parts = ["hf"] if self.hf else []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "hf" and value != getattr(default, f.name):
+                parts.append(f"{f.name}={'on' if value is True else value}")
+        return ",".join(parts) or "tp=1"
+
+
+def band(a: RunSpec, b: RunSpec) -> float:
+    """The largest relative error expected of ``a`` against ``b`` from precision alone."""
+    rel = max(DTYPE_BANDS[a.dtype], DTYPE_BANDS[b.dtype])
+    if a.quantize != b.quantize:
+        rel = max(rel, QUANTIZED_BAND)
+    return rel
+
+
+def near_tie(rel_band: float) -> float:
+    """The reference's top-two log-prob margin under which a greedy flip is expected, not a fault."""
+    return max(1e-3, 10 * rel_band)
