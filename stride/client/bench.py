@@ -176,6 +176,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
                     await _one_request(session, url, body, t0, results[i])
             bar.update(1)
 
+        before = await _timeline_counters(session, base_url)
         t0 = time.perf_counter()
         tasks = []
         for i in range(len(prompts)):
@@ -184,8 +185,55 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        after = None
+        if before is not None:
+            await asyncio.sleep(TIMELINE_LAG_S)  # the scheduler's totals reach /metrics every half second
+            after = await _timeline_counters(session, base_url)
     bar.close()
-    return summarize(results, duration, model, args), results
+    summary = summarize(results, duration, model, args)
+    summary["step_timeline"] = step_timeline(before, after) if before is not None and after is not None else None
+    return summary, results
+
+
+TIMELINE_COUNTERS = ("steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds",
+                     "step_gap_seconds")
+"""Stride's step-timeline counters on ``/metrics`` (``stride:<name>_total``)."""
+TIMELINE_LAG_S = 0.7
+
+
+async def _timeline_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
+    """Stride's step-timeline totals from ``/metrics``; None for a server that exports none (another engine)."""
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    totals = dict.fromkeys(TIMELINE_COUNTERS, 0.0)
+    found = False
+    for line in text.splitlines():
+        for name in TIMELINE_COUNTERS:
+            if line.startswith(f"stride:{name}_total"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+                found = True
+    return totals if found else None
+
+
+def step_timeline(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Where the run's busy time went, from the counters' growth: shares of the step cycle (round trip plus the
+    scheduler's gap) spent on the device, on rank 0's host side, in transport, and in the scheduler."""
+    d = {k: after[k] - before[k] for k in TIMELINE_COUNTERS}
+    busy = d["step_round_trip_seconds"] + d["step_gap_seconds"]
+    if d["steps"] <= 0 or busy <= 0:
+        return None
+    return {
+        "steps": d["steps"], "mean_cycle_ms": 1000 * busy / d["steps"],
+        "device": d["step_device_seconds"] / busy,
+        "worker_host": (d["step_worker_seconds"] - d["step_device_seconds"]) / busy,
+        "transport": (d["step_round_trip_seconds"] - d["step_worker_seconds"]) / busy,
+        "scheduler": d["step_gap_seconds"] / busy,
+    }
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -230,6 +278,11 @@ def format_summary(s: dict[str, Any]) -> str:
     for key, label in _METRICS:
         st = s[key]
         lines.append(f"{label:<20}" + "".join(f"{st[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99")))
+    t = s.get("step_timeline")
+    if t:
+        lines.append(f"step timeline        {t['steps']:.0f} steps, {t['mean_cycle_ms']:.2f} ms per cycle: device "
+                     f"{t['device']:.0%}, worker host {t['worker_host']:.0%}, transport {t['transport']:.0%}, "
+                     f"scheduler {t['scheduler']:.0%}")
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 

@@ -4,8 +4,9 @@ logits), and the report: the first point whose error leaves the pair's band, and
 At each point the hidden states of every observed step are taken together (tokens × hidden), ``a`` against the
 reference ``b``: the largest absolute difference, the relative error ‖a − b‖ / ‖b‖, the smallest cosine over
 tokens, and the growth (this point's relative error over the point before). A point diverges when its relative
-error passes the band (:func:`stride.diagnose.spec.band`), or when it jumps :data:`~stride.diagnose.spec.JUMP`
-times over the point before once past a third of the band: rounding error grows smoothly, a fault does not.
+error passes the band there (:func:`stride.diagnose.spec.band_at`: the pair's first band, widening with depth), or
+when it jumps :data:`~stride.diagnose.spec.JUMP` times over the point before once past a third of the band:
+rounding error grows smoothly, a fault does not.
 
 A flip is a decision point where the two greedy tokens differ; it is expected when the reference's top two
 log-probs are within :func:`~stride.diagnose.spec.near_tie` of each other, and a fault otherwise.
@@ -14,13 +15,13 @@ log-probs are within :func:`~stride.diagnose.spec.near_tie` of each other, and a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from stride.diagnose.runs import Capture, Prepare, Schedule, run
-from stride.diagnose.spec import JUMP, RunSpec, band, near_tie
+from stride.diagnose.spec import DEPTH_SCALE, JUMP, RunSpec, band, band_at, near_tie
 
 REPORT_VERSION = 1
 
@@ -38,6 +39,8 @@ class Point:
     min_cos: float
     growth: float | None
     """``rel`` over the previous point's (None for the first, or after an exact zero)."""
+    band: float = 0.0
+    """The relative error rounding alone stays under here (:func:`~stride.diagnose.spec.band_at`)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Report:
             "version": REPORT_VERSION,
             "a": self.a,
             "b": self.b,
-            "band": {"rel": self.band, "near_tie": self.near_tie, "jump": JUMP},
+            "band": {"rel": self.band, "depth_scale": DEPTH_SCALE, "near_tie": self.near_tie, "jump": JUMP},
             "points": [_finite(asdict(p)) for p in self.points],
             "first_divergent": None if self.first_divergent is None else {
                 "name": self.first_divergent.name, "layer": self.first_divergent.layer,
@@ -86,13 +89,15 @@ class Report:
         }
 
     def text(self) -> str:
-        lines = [f"a = {self.a}   b = {self.b} (reference)   band: relative error <= {self.band:.0e}",
-                 f"{'point':<20} {'tokens':>6} {'max abs':>10} {'rel err':>10} {'min cos':>10} {'growth':>8}"]
+        lines = [f"a = {self.a}   b = {self.b} (reference)   band: relative error <= {self.band:.0e}, "
+                 f"widening by that every {DEPTH_SCALE} points",
+                 f"{'point':<20} {'tokens':>6} {'max abs':>10} {'rel err':>10} {'band':>8} {'min cos':>10} "
+                 f"{'growth':>8}"]
         for p in self.points:
             growth = "-" if p.growth is None else f"{p.growth:.2f}"
             mark = "  <- first divergent" if p is self.first_divergent else ""
-            lines.append(f"{p.name:<20} {p.tokens:>6} {p.max_abs:>10.3e} {p.rel:>10.3e} {p.min_cos:>10.6f} "
-                         f"{growth:>8}{mark}")
+            lines.append(f"{p.name:<20} {p.tokens:>6} {p.max_abs:>10.3e} {p.rel:>10.3e} {p.band:>8.1e} "
+                         f"{p.min_cos:>10.6f} {growth:>8}{mark}")
         if self.first_divergent is None:
             lines.append("first divergent layer: none (every point within the band, growing smoothly)")
         else:
@@ -160,11 +165,12 @@ def compare(a: Capture, b: Capture, rel_band: float, tie: float) -> Report:
     logits = _measure("logits", None, "logits", torch.cat([s.logits for s in a.steps]),
                       torch.cat([s.logits for s in b.steps]), previous)
     report.points.append(logits)
+    report.points = [replace(p, band=band_at(rel_band, i)) for i, p in enumerate(report.points)]
     for p in report.points:
-        if not p.rel <= rel_band:  # NaN too
-            report.first_divergent, report.reason = p, f"relative error {p.rel:.2e} > band {rel_band:.0e}"
+        if not p.rel <= p.band:  # NaN too
+            report.first_divergent, report.reason = p, f"relative error {p.rel:.2e} > band {p.band:.1e}"
             break
-        if p.growth is not None and p.growth > JUMP and p.rel > rel_band / 3:
+        if p.growth is not None and p.growth > JUMP and p.rel > p.band / 3:
             report.first_divergent = p
             report.reason = f"relative error grew {p.growth:.1f}x over the point before, to {p.rel:.2e}"
             break
@@ -192,11 +198,12 @@ def plot(report: Report, path: str) -> None:
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker, label=where, markersize=4)
     ax.plot(list(xs), [max(p.rel, 1e-12) for p in report.points], "-", color="grey", linewidth=0.6)
-    ax.axhline(report.band, color="red", linestyle="--", linewidth=0.8, label=f"band {report.band:.0e}")
+    ax.plot(list(xs), [p.band for p in report.points], "--", color="red", linewidth=0.8, label="band")
     if report.first_divergent is not None:
         i = report.points.index(report.first_divergent)
         ax.axvline(i, color="red", linewidth=0.8)
-        ax.annotate(report.first_divergent.name, (i, report.band), rotation=90, fontsize=7, va="bottom")
+        ax.annotate(report.first_divergent.name, (i, report.first_divergent.band), rotation=90, fontsize=7,
+                    va="bottom")
     ax.set_yscale("log")
     ax.set_xlabel("point (layer after attention / after MLP, then logits)")
     ax.set_ylabel("relative error ‖a−b‖/‖b‖")

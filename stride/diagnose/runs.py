@@ -153,25 +153,40 @@ def run_stride(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[
 
     def record(i: int) -> Any:
         def hook(_m: Any, _inputs: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+            if out[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return  # a decode graph being captured: its replays run no hooks, so nothing is seen of it
             mlp_out, residual = out
             seen["attention"][i] = residual.to("cpu", torch.float32, copy=True)
             seen["mlp"][i] = (mlp_out + residual).to("cpu", torch.float32, copy=True)
         return hook
 
     handles = [block.register_forward_hook(record(i)) for i, block in enumerate(layers)]
+    # A decode step served from a CUDA graph is not observed: replays run no hooks, and what hooks saw while the
+    # graph was built (its warm-up, on padded static buffers) is not this step.
+    replayed = [False]
+    if runner.graphs is not None:
+        graph_run = runner.graphs.run
+
+        def run_graph(*args: Any) -> Any:
+            out = graph_run(*args)
+            replayed[0] = out is not None
+            return out
+
+        runner.graphs.run = run_graph  # type: ignore[method-assign, assignment]
     tables = np.arange(2 * n * per_seq, dtype=np.int32).reshape(2 * n, per_seq)
     capture = Capture(spec.label(), len(layers))
     try:
         for step in _steps(schedule, _feeder(capture, forced)):
             for v in seen.values():
                 v[:] = [None] * len(layers)
+            replayed[0] = False
             q_lens = [len(t) for t in step.tokens]
             tokens = np.concatenate([np.asarray(t, np.int64) for t in step.tokens])
             positions = np.concatenate([np.arange(s, s + q, dtype=np.int64) for s, q in zip(step.starts, q_lens,
                                                                                              strict=True)])
             logits = runner.forward(tokens, positions, np.asarray(step.slots), np.asarray(q_lens),
                                     np.asarray([s + q for s, q in zip(step.starts, q_lens, strict=True)]), tables)
-            observed = all(t is not None for v in seen.values() for t in v)
+            observed = not replayed[0] and all(t is not None for v in seen.values() for t in v)
             capture.steps.append(StepCapture(
                 step.phase, logits.to("cpu", torch.float32, copy=True),
                 torch.stack(seen["attention"]) if observed else None,  # type: ignore[arg-type]

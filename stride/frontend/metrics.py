@@ -48,8 +48,19 @@ class FrontendMetrics:
         self.ttft = histogram("stride:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("stride:inter_token_latency_seconds", "Time between successive output deltas.")
         self.e2e = histogram("stride:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        # The step timeline (stride.sched.stats.StepTimeline), running totals from the scheduler.
+        self.steps = counter("stride:steps", "Steps the model worker answered.")
+        self.step_device = counter("stride:step_device_seconds", "Device span of the steps (CUDA events; the "
+                                   "worker's step time on a CPU).")
+        self.step_worker = counter("stride:step_worker_seconds", "Rank 0's wall time on the steps.")
+        self.step_round_trip = counter("stride:step_round_trip_seconds", "From a step's descriptor sent to its "
+                                       "answer back at the scheduler.")
+        self.step_gap = counter("stride:step_gap_seconds", "From a step's answer to the next step sent, when one "
+                                "followed at once: the scheduler's share of busy time.")
         self._labels = {"model_name": model_name}
         self._preemptions_seen = 0
+        self._timeline_seen = {"steps": 0.0, "step_device_s": 0.0, "step_worker_s": 0.0, "step_round_trip_s": 0.0,
+                               "step_gap_s": 0.0}
 
     def lbl(self, metric, **extra: str):  # type: ignore[no-untyped-def]
         return metric.labels(**self._labels, **extra)
@@ -64,6 +75,13 @@ class FrontendMetrics:
         if stats.num_preemptions > self._preemptions_seen:
             self.lbl(self.preemptions).inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+        metrics = {"steps": self.steps, "step_device_s": self.step_device, "step_worker_s": self.step_worker,
+                   "step_round_trip_s": self.step_round_trip, "step_gap_s": self.step_gap}
+        for name, metric in metrics.items():
+            total = float(getattr(stats, name))
+            if total > self._timeline_seen[name]:
+                self.lbl(metric).inc(total - self._timeline_seen[name])
+                self._timeline_seen[name] = total
 
     def sequence_done(self, num_prompt: int, num_cached: int, num_output: int) -> None:
         self.lbl(self.prompt_tokens).inc(num_prompt)

@@ -112,6 +112,11 @@ class StepDone(Message):
     step: int
     error: str | None = None
     failed: list[SequenceFailure] = field(default_factory=list)
+    worker_s: float = 0.0
+    """Rank 0's wall time on the step, from taking the descriptor to answering."""
+    device_s: float = 0.0
+    """Of that, the device's span (CUDA events around the forward and the sampling; on the CPU the same as
+    ``worker_s`` less the message handling)."""
 
 
 TO_SCHEDULER = (TokenizedRequest, AbortRequest, StepDone)
@@ -195,6 +200,14 @@ class SchedulerStats(Message):
     num_blocks_free: int = 0
     num_preemptions: int = 0
     """Preemptions since the scheduler started (a running total, exported as a counter)."""
+    steps: int = 0
+    """The step timeline, running totals (:class:`stride.sched.stats.StepTimeline`): steps answered, and seconds
+    of the device, of rank 0, of the round trip (descriptor sent to answer back) and of the scheduler's gap
+    (answer back to the next descriptor sent, when there was a next)."""
+    step_device_s: float = 0.0
+    step_worker_s: float = 0.0
+    step_round_trip_s: float = 0.0
+    step_gap_s: float = 0.0
 
 
 TO_FRONTEND = (TextDelta, RequestFailed, SchedulerStats)

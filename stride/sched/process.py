@@ -1,4 +1,6 @@
-"""The scheduler process: the one place that reads the clock, once per loop, and passes it down.
+"""The scheduler process: the one place that reads the clock, once per loop, and passes it down. (The step
+timeline, :class:`~stride.sched.stats.StepTimeline`, reads a performance counter of its own: it measures, it
+decides nothing.)
 
 It pulls :class:`TokenizedRequest`, :class:`AbortRequest` and rank 0's :class:`StepDone` at
 ``scheduler_address``; it writes each step into the shared step buffers and pushes a
@@ -12,6 +14,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ from stride.ipc.layouts import StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.sched.plan import StepPlan
 from stride.sched.scheduler import Scheduler
+from stride.sched.stats import StepTimeline
 from stride.sched.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class SchedulerLoop:
         # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
         self.routes: dict[str, tuple[int, int | None]] = {}
         self.inflight: StepPlan | None = None
+        self.timeline = StepTimeline()
 
     def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
         try:
@@ -123,7 +128,9 @@ class SchedulerLoop:
         return by_owner
 
     def stats(self) -> m.SchedulerStats:
-        return self.core.metrics().to_message()
+        t = self.timeline
+        return replace(self.core.metrics().to_message(), steps=t.steps, step_device_s=t.device_s,
+                       step_worker_s=t.worker_s, step_round_trip_s=t.round_trip_s, step_gap_s=t.gap_s)
 
 
 def run(config: StrideConfig) -> int:
@@ -144,7 +151,7 @@ def run(config: StrideConfig) -> int:
         to_front: PushQueue[m.Message] = PushQueue(ctx, config.ipc.frontend_address())
         control.put(m.ProcessReady("scheduler", 0, num_blocks=config.cache.num_blocks))
         last_stats = 0.0
-        now = 0.0
+        now = arrived = 0.0
 
         def tokenized(msg: m.TokenizedRequest) -> None:
             failed = loop.on_request(msg, now)
@@ -160,6 +167,7 @@ def run(config: StrideConfig) -> int:
                 to_front.put(m.RequestFailed("", 503, "the model worker failed", "worker_dead"))
                 control.put(m.ProcessFailed("scheduler", f"worker step failed: {msg.error}"))
                 raise _WorkerFailed
+            loop.timeline.done(arrived, msg.worker_s, msg.device_s)
             for owner, outs in loop.on_step_done(msg, now).items():
                 to_tok[owner].put(m.StepOutputs(outs))
 
@@ -172,6 +180,7 @@ def run(config: StrideConfig) -> int:
             # Blocks until a message arrives: with a step in flight that is its StepDone.
             first = inbox.get(timeout_ms=IDLE_POLL_MS)
             msgs = ([first] if first is not None else []) + inbox.drain()
+            arrived = time.perf_counter()
             now = time.monotonic()
             for msg in msgs:
                 if isinstance(msg, m.Shutdown):
@@ -180,6 +189,9 @@ def run(config: StrideConfig) -> int:
             desc = loop.next_step(now)
             if desc is not None:
                 to_worker.put(desc)
+                loop.timeline.sent(time.perf_counter())
+            elif loop.inflight is None:
+                loop.timeline.idle()
             if now - last_stats >= STATS_INTERVAL_S:
                 to_front.put(loop.stats())
                 last_stats = now

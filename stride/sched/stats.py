@@ -20,6 +20,44 @@ class SchedulerCounters:
     """Refusals by reason (queue_full, overloaded, too_long)."""
 
 
+@dataclass
+class StepTimeline:
+    """Where the wall time of busy stretches goes, summed over steps. One step's cycle runs from its descriptor
+    being sent to the next one being sent: the round trip (transport both ways, plus rank 0's time, of which the
+    device's span is a part), then the scheduler's gap (handling the outputs, building and sending the next step).
+    A gap is counted only when a next step followed at once: idle time with nothing to run is no one's overhead.
+    The device's idle share of busy time is ``1 - device_s / (round_trip_s + gap_s)``."""
+
+    steps: int = 0
+    device_s: float = 0.0
+    worker_s: float = 0.0
+    round_trip_s: float = 0.0
+    gap_s: float = 0.0
+    _sent_at: float | None = None
+    _done_at: float | None = None
+
+    def sent(self, now: float) -> None:
+        """A descriptor went to rank 0 at ``now``."""
+        if self._done_at is not None:
+            self.gap_s += now - self._done_at
+            self._done_at = None
+        self._sent_at = now
+
+    def done(self, now: float, worker_s: float, device_s: float) -> None:
+        """Rank 0's answer to the step in flight came at ``now``."""
+        if self._sent_at is not None:
+            self.round_trip_s += now - self._sent_at
+            self._sent_at = None
+        self.steps += 1
+        self.worker_s += worker_s
+        self.device_s += device_s
+        self._done_at = now
+
+    def idle(self) -> None:
+        """No step followed the last answer: the gap since it is idle time, not overhead."""
+        self._done_at = None
+
+
 @dataclass(frozen=True)
 class SchedulerMetrics:
     """Gauges and counters at one moment."""

@@ -63,6 +63,7 @@ class ModelStepper:
         self.tp = TensorParallel.init(rank, config.worker.tensor_parallel_size, config.ipc.tp_rendezvous(),
                                       device.type)
         self.runner = ModelRunner.from_config(config.worker, config.cache, config.scheduler, progress, self.tp)
+        self.device_type = self.runner.device.type
         args = self.runner.args
         self.num_blocks = self.runner.num_blocks
         self.vocab_size = args.vocab_size
@@ -163,6 +164,36 @@ class SimStepper:
         return []
 
 
+class _StepTimer:
+    """The device's span of one step: CUDA events around it on a GPU (read after the step's own sync, so nothing
+    waits for them), the wall time of it elsewhere (on the CPU the device is the host)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._wall = 0.0
+        if cuda:
+            import torch
+
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self) -> _StepTimer:
+        self._t0 = time.perf_counter()
+        if self.cuda:
+            self._start.record()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._wall = time.perf_counter() - self._t0
+        if self.cuda:
+            self._end.record()
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self._wall
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
 def _heartbeat(ctx: zmq.Context[Any], address: str, rank: int, stop: threading.Event) -> None:
     """Tell the launcher every :data:`HEARTBEAT_INTERVAL_S` that this rank's interpreter runs (a daemon thread with
     its own socket). A rank stopped, or stuck in native code that holds the interpreter, falls silent; one waiting in
@@ -202,10 +233,12 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                          name="heartbeat", daemon=True).start()
         control.put(m.ProcessReady("worker", rank, num_blocks=stepper.num_blocks, vocab_size=stepper.vocab_size))
         layout = StepLayout.from_config(config.scheduler, config.cache)
+        timer = _StepTimer(isinstance(stepper, ModelStepper) and stepper.device_type == "cuda")
         while True:
             msg = inbox.get()
             if msg is None:
                 continue
+            taken = time.perf_counter()
             for peer in peers:  # every rank runs the same step; the collectives keep them in lockstep
                 peer.put(msg)
             if isinstance(msg, m.Shutdown):
@@ -214,14 +247,16 @@ def run(config: StrideConfig, rank: int = 0) -> int:
             if buf is None:  # the launcher makes the segments after this rank reported ready
                 buf = StepBuffers.attach(config.ipc, layout)
             try:
-                failed = stepper.run(msg, buf)
+                with timer:
+                    failed = stepper.run(msg, buf)
             except Exception as e:  # the scheduler fails the requests and the launcher shuts down
                 log.exception("step %d failed", msg.step)
                 if rank == 0:
                     to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
                 raise
             if rank == 0:
-                to_sched.put(m.StepDone(msg.step, failed=failed))
+                to_sched.put(m.StepDone(msg.step, failed=failed, worker_s=time.perf_counter() - taken,
+                                        device_s=timer.seconds()))
     except Exception as e:
         log.exception("worker rank %d failed", rank)
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))

@@ -22,8 +22,8 @@ class FakeServer:
     (503 after that) and shuts itself down after ``lifetime_s`` even if nobody stops it."""
 
     def __init__(self, usage: bool = True, fail_every: int = 0, max_requests: int = 64,
-                 lifetime_s: float = 60.0) -> None:
-        self.usage, self.fail_every = usage, fail_every
+                 lifetime_s: float = 60.0, metrics: bool = False) -> None:
+        self.usage, self.fail_every, self.metrics = usage, fail_every, metrics
         self.max_requests, self.lifetime_s = max_requests, lifetime_s
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = self.max_in_flight = 0
@@ -59,9 +59,20 @@ class FakeServer:
         self.in_flight -= 1
         return resp
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Stride's step-timeline counters, grown by each request: 10 steps of 4 ms round trip, 3 ms on rank 0,
+        2 ms on the device, 1 ms of scheduler gap each (and a counter of another name that must not count)."""
+        n = 10 * len(self.bodies)
+        lines = [f'stride:steps_total{{model_name="m"}} {n}', f"stride:step_device_seconds_total {0.002 * n}",
+                 f"stride:step_worker_seconds_total {0.003 * n}", f"stride:step_round_trip_seconds_total {0.004 * n}",
+                 f"stride:step_gap_seconds_total {0.001 * n}", "stride:steps_other_total 99"]
+        return web.Response(text="\n".join(lines) + "\n")
+
     async def _main(self) -> None:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        if self.metrics:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         runner = web.AppRunner(app)
@@ -173,3 +184,20 @@ def test_script_wrapper_runs(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "b.json").read_text())["summary"]["completed"] == 2
+
+
+def test_step_timeline_from_the_servers_counters() -> None:
+    """Against a server with Stride's timeline counters the summary splits the step cycle (5 ms here) into its
+    shares; against one without, there is no timeline (another engine), and the run is not affected."""
+    with FakeServer(metrics=True) as server:
+        summary, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "4",
+                                                           "--output-len", "3")))
+    t = summary["step_timeline"]
+    assert t is not None and t["steps"] == 40
+    assert t["mean_cycle_ms"] == pytest.approx(5.0)
+    assert (t["device"], t["worker_host"], t["transport"], t["scheduler"]) == pytest.approx((0.4, 0.2, 0.2, 0.2))
+    assert "step timeline        40 steps, 5.00 ms per cycle: device 40%" in bench.format_summary(summary)
+    with FakeServer() as server:
+        summary, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "2",
+                                                           "--output-len", "3")))
+    assert summary["step_timeline"] is None and summary["completed"] == 2

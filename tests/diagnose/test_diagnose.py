@@ -24,7 +24,7 @@ from worker_helpers import make_checkpoint
 
 from stride.diagnose.compare import REPORT_VERSION, compare, diagnose, plot
 from stride.diagnose.runs import Capture, Schedule, StepCapture
-from stride.diagnose.spec import RunSpec, band, near_tie
+from stride.diagnose.spec import RunSpec, band, band_at, near_tie
 from stride.model.files import default_model_path
 
 LAYERS = 4
@@ -63,7 +63,7 @@ def test_clean_pairs_report_no_divergence(a: str, b: str) -> None:
     assert not [f for f in report.flips if not f.near_tie], report.text()
     assert len(report.points) == 2 * 30 + 1 and report.unobserved == []
     # Not a vacuous pass: the two runs differ (rounding), just within the band.
-    assert 0 < max(p.rel for p in report.points) <= report.band
+    assert max(p.rel for p in report.points) > 0 and all(p.rel <= p.band for p in report.points)
 
 
 FAULTS = {
@@ -84,7 +84,7 @@ def test_a_planted_fault_is_found_at_its_layer(tiny: str, fault: str, layer: int
     assert found is not None, report.text()
     assert (found.layer, found.where) == (layer, "attention"), report.text()
     # Every point before it is within the band: the fault is where it was put, not inherited from earlier.
-    assert all(p.rel <= report.band for p in report.points[: 2 * layer]), report.text()
+    assert all(p.rel <= p.band for p in report.points[: 2 * layer]), report.text()
     assert report.diverged
 
 
@@ -114,14 +114,15 @@ def _capture(label: str, rel_noise: float, chosen: list[list[int]], margins: lis
 
 
 def test_the_verdict_rules() -> None:
-    """Band, jump and flip rules on synthetic captures, each with the case just on the other side."""
+    """Band, jump and flip rules on synthetic captures, each with the case just on the other side (the band starts
+    at 1e-5 and widens by that every 8 points)."""
     ref = _capture("b", 0.0, [[1, 2]], [[0.5, 1e-4]])
     inside = compare(_capture("a", 2e-6, [[1, 2]], [[0, 0]]), ref, 1e-5, 1e-3)
     assert inside.first_divergent is None and not inside.diverged
     past = compare(_capture("a", 2e-5, [[1, 2]], [[0, 0]]), ref, 1e-5, 1e-3)
     assert past.first_divergent is not None and past.first_divergent.name == "layer 0 attention"
-    # A jump of 50x at layer 2, still under the band: below a third of the band it is rounding noise (5e-8 to
-    # 2.5e-6); past it (1.4e-7 to 7e-6), a divergence by growth.
+    # A jump of 50x at layer 2 (point 4, band 1.5e-5), still under the band: below a third of the band it is rounding
+    # noise (5e-8 to 2.5e-6); past it (1.4e-7 to 7e-6), a divergence by growth.
     jumped = compare(_capture("a", 5e-8, [[1, 2]], [[0, 0]], jump_at=2), ref, 1e-5, 1e-3)
     assert jumped.first_divergent is None, jumped.text()
     jumped = compare(_capture("a", 1.4e-7, [[1, 2]], [[0, 0]], jump_at=2), ref, 1e-5, 1e-3)
@@ -146,10 +147,11 @@ def test_specs_and_bands() -> None:
         with pytest.raises(ValueError, match=word):
             RunSpec.parse(bad)
     f32, bf16 = RunSpec(), RunSpec(dtype="bfloat16")
-    assert band(f32, f32) == 1e-5 and band(bf16, f32) == 5e-2
+    assert band(f32, f32) == 2e-6 and band(bf16, f32) == 1e-2
     q4 = RunSpec(quantize="w4a16")
-    assert band(q4, f32) == 0.3 and band(q4, q4) == 1e-5
-    assert near_tie(1e-5) == 1e-3 and near_tie(5e-2) == 0.5
+    assert band(q4, f32) == 0.1 and band(q4, q4) == 2e-6
+    assert band_at(1e-2, 0) == 1e-2 and band_at(1e-2, 8) == 2e-2
+    assert near_tie(2e-6) == 1e-3 and near_tie(1e-2) == 0.1
 
 
 def test_json_report_and_plot(tiny: str, tmp_path: Path) -> None:
@@ -164,9 +166,10 @@ def test_json_report_and_plot(tiny: str, tmp_path: Path) -> None:
     assert set(report) == {"version", "a", "b", "band", "points", "first_divergent", "flips", "unobserved_steps",
                            "diverged"}
     assert report["version"] == REPORT_VERSION and report["first_divergent"] is None and not report["diverged"]
-    assert set(report["band"]) == {"rel", "near_tie", "jump"}
+    assert set(report["band"]) == {"rel", "depth_scale", "near_tie", "jump"}
     assert [p["name"] for p in report["points"]][:3] == ["layer 0 attention", "layer 0 mlp", "layer 1 attention"]
-    assert set(report["points"][0]) == {"name", "layer", "where", "tokens", "max_abs", "rel", "min_cos", "growth"}
+    assert set(report["points"][0]) == {"name", "layer", "where", "tokens", "max_abs", "rel", "min_cos", "growth",
+                                        "band"}
     assert report["points"][-1]["name"] == "logits" and len(report["points"]) == 2 * LAYERS + 1
     if _has_matplotlib():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -319,3 +320,28 @@ def test_too_long_prompt_names_the_context(server: StrideServer) -> None:
     # Control: the same words, fewer of them, are served.
     code, _, data = server.post(C, {"model": server.model, "prompt": "hello " * 100, "max_tokens": 1})
     assert code == 200, data
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"stride:{name}_total"))
+
+
+def test_step_timeline_on_metrics(server: StrideServer, client: openai.OpenAI) -> None:
+    """Each answered step adds to the timeline counters, and the parts nest: the device's span within rank 0's
+    time, rank 0's within the round trip."""
+    import urllib.request
+
+    def scrape() -> str:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    before = scrape()
+    client.completions.create(model=server.model, prompt="Count: one, two,", max_tokens=12, temperature=0, extra_body={
+        "ignore_eos": True})
+    time.sleep(1.2)  # the scheduler's totals reach the frontend every half second
+    after = scrape()
+    grew = {n: _counter(after, n) - _counter(before, n) for n in (
+        "steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds", "step_gap_seconds")}
+    assert grew["steps"] >= 12, grew  # a prefill step and at least eleven decodes
+    assert 0 < grew["step_device_seconds"] <= grew["step_worker_seconds"] <= grew["step_round_trip_seconds"], grew
+    assert grew["step_gap_seconds"] > 0, grew

@@ -157,3 +157,24 @@ def test_slack_not_class_decides_admission() -> None:
         plan, _, now = step(sched, buf, backend, now)
         order += [n.req_id for n in plan.new_seqs]
     assert order == ["old-bg", "new-int"]
+
+
+def test_step_timeline_counts_busy_time_only() -> None:
+    from stride.sched.stats import StepTimeline
+
+    t = StepTimeline()
+    t.sent(0.0)
+    t.done(1.0, worker_s=0.8, device_s=0.6)
+    t.sent(1.25)  # the scheduler's gap: 0.25 s
+    t.done(2.0, worker_s=0.7, device_s=0.5)
+    t.idle()  # nothing followed: the next 3 s are idle, nobody's overhead
+    t.sent(5.0)
+    t.done(5.5, worker_s=0.4, device_s=0.3)
+    assert (t.steps, t.round_trip_s, t.gap_s) == (3, 2.25, 0.25)
+    assert (round(t.worker_s, 9), round(t.device_s, 9)) == (1.9, 1.4)
+    # Control: without the idle mark the 3 s would count as the scheduler's.
+    u = StepTimeline()
+    u.sent(0.0)
+    u.done(2.0, 0.0, 0.0)
+    u.sent(5.0)
+    assert u.gap_s == 3.0
