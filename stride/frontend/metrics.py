@@ -58,6 +58,8 @@ class FrontendMetrics:
         self.step_gap = counter("stride:step_gap_seconds", "From a step's answer to the next step sent, when one "
                                 "followed at once: the scheduler's share of busy time.")
         self._labels = {"model_name": model_name}
+        for metric in (self.steps, self.step_device, self.step_worker, self.step_round_trip, self.step_gap):
+            self.lbl(metric)  # exported as 0 from the start, so a reader's "before" exists before the first step
         self._preemptions_seen = 0
         self._timeline_seen = {"steps": 0.0, "step_device_s": 0.0, "step_worker_s": 0.0, "step_round_trip_s": 0.0,
                                "step_gap_s": 0.0}

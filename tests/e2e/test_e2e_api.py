@@ -336,6 +336,7 @@ def test_step_timeline_on_metrics(server: StrideServer, client: openai.OpenAI) -
             return r.read().decode()
 
     before = scrape()
+    assert "stride:steps_total{" in before  # exported from the start (0 on a fresh server)
     client.completions.create(model=server.model, prompt="Count: one, two,", max_tokens=12, temperature=0, extra_body={
         "ignore_eos": True})
     time.sleep(1.2)  # the scheduler's totals reach the frontend every half second
