@@ -33,6 +33,19 @@ def context_overflow(num_prompt_tokens: int | None, max_tokens: int | None, max_
     return None
 
 
+MAX_LOGIT_BIAS = 1024
+"""Most entries of one request's ``logit_bias``."""
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """``bias`` added to ``token_id``'s logit before sampling (OpenAI's ``logit_bias``: -100 bans, 100 all but
+    forces)."""
+
+    token_id: int
+    bias: float
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence is sampled and when it stops. ``ValueError`` names the offending field."""
@@ -63,6 +76,8 @@ class SamplingParams:
     """Keep generating past the end-of-sequence token."""
     logprobs: int | None = None
     """Return the sampled token's log-probability and this many top alternatives (0..20)."""
+    logit_bias: tuple[LogitBias, ...] = ()
+    """Added to the raw logits before penalties, temperature and the greedy choice (logprobs stay raw)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,6 +99,11 @@ class SamplingParams:
             ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
              and all(_is_int(t) and 0 <= t < (1 << 31) for t in self.stop_token_ids),
              f"at most {MAX_STOP_TOKEN_IDS} token ids"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS
+             and len({b.token_id for b in self.logit_bias}) == len(self.logit_bias)
+             and all(_is_int(b.token_id) and 0 <= b.token_id < (1 << 31) and -100.0 <= b.bias <= 100.0
+                     for b in self.logit_bias),
+             f"at most {MAX_LOGIT_BIAS} distinct token ids, each biased by a number in [-100, 100]"),
         ]
         for name, ok, what in checks:
             if not ok:

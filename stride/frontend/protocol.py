@@ -11,7 +11,14 @@ from typing import Any
 from stride.config import SchedulerConfig, StrideConfig
 from stride.frontend.errors import ApiError, from_value_error, invalid
 from stride.ipc.messages import GenerateRequest
-from stride.params import CONTEXT_LENGTH_EXCEEDED, SEED_MODULUS, SamplingParams, context_overflow
+from stride.params import (
+    CONTEXT_LENGTH_EXCEEDED,
+    MAX_LOGIT_BIAS,
+    SEED_MODULUS,
+    LogitBias,
+    SamplingParams,
+    context_overflow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +29,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 requests without it get the rest of the context."""
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "ignore_eos", "stop_token_ids"}
+                    "repetition_penalty", "ignore_eos", "stop_token_ids", "logit_bias"}
 _COMMON = _SAMPLING_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user",
-                              "service_class", "logit_bias"}
+                              "service_class"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
 CLIENT_FIELDS = _SAMPLING_FIELDS | {"max_tokens", "stop", "logprobs", "service_class"}
@@ -152,6 +159,22 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise invalid("'stop' must be a string or an array of strings", "stop")
 
 
+def _logit_bias(bias: dict[str, Any], limits: Limits) -> tuple[LogitBias, ...]:
+    """OpenAI's ``{"token id": bias}`` map: ids (as JSON keys, so strings) in the vocabulary, biases numbers."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if not (_is_int(value) or isinstance(value, float)) or not -100 <= value <= 100:
+            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for {key}",
+                          "logit_bias")
+        out.append(LogitBias(int(key), float(value)))
+    limits.check_token_ids([b.token_id for b in out], "logit_bias")
+    return tuple(out)
+
+
 def sampling_params(body: dict[str, Any], limits: Limits, *, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     """Build :class:`SamplingParams` from the shared fields; range errors become 400s naming the field."""
@@ -171,6 +194,9 @@ def sampling_params(body: dict[str, Any], limits: Limits, *, max_tokens: int | N
     if ids is not None:
         limits.check_token_ids(ids, "stop_token_ids")
         kwargs["stop_token_ids"] = tuple(ids)
+    bias = _get(body, "logit_bias", "dict")
+    if bias:
+        kwargs["logit_bias"] = _logit_bias(bias, limits)
     if kwargs.get("top_k") == -1:
         kwargs["top_k"] = 0  # vLLM's spelling of "no top-k"
     try:
@@ -203,8 +229,6 @@ def _common(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
         include_usage = bool(_get(opts, "include_usage", "bool"))
         _get(opts, "continuous_usage_stats", "bool")
     _get(body, "user", "str")
-    if _get(body, "logit_bias", "dict"):
-        raise invalid("'logit_bias' is not supported", "logit_bias")
     return {"n": n or 1, "stream": stream, "include_usage": include_usage,
             "service_class": _service_class(body, limits.sched)}
 

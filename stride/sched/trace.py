@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stride.config import CacheConfig, SchedulerConfig, ServiceClass
-from stride.params import SamplingParams
+from stride.params import LogitBias, SamplingParams
 
 
 class TraceWriter:
@@ -86,4 +86,5 @@ def params_from(data: dict[str, Any]) -> SamplingParams:
     fields = dict(data)
     fields["stop"] = tuple(fields.get("stop", ()))
     fields["stop_token_ids"] = tuple(fields.get("stop_token_ids", ()))
+    fields["logit_bias"] = tuple(LogitBias(**b) for b in fields.get("logit_bias", ()))
     return SamplingParams(**fields)

@@ -9,14 +9,15 @@ Order of operations on a row's logits, all in float32:
 
 1. logprobs: ``log_softmax`` of the *raw* logits, before penalties and temperature (vLLM's default "raw
    logprobs"), so a token's reported logprob does not depend on how it was sampled;
-2. repetition penalty (CTRL): for tokens seen in the prompt or output, positive logits are divided by the
+2. ``logit_bias`` added (OpenAI's: the bias goes on the model's logits, before anything else acts on them);
+3. repetition penalty (CTRL): for tokens seen in the prompt or output, positive logits are divided by the
    penalty, negative ones multiplied;
-3. presence / frequency penalties (OpenAI), over output tokens only:
+4. presence / frequency penalties (OpenAI), over output tokens only:
    ``logit -= presence * (count > 0) + frequency * count``;
-4. greedy rows (temperature 0) take the argmax here; the rest are divided by their temperature;
-5. top-k, then top-p on the distribution renormalised after top-k, then min-p (``p >= min_p * p_max``,
+5. greedy rows (temperature 0) take the argmax here; the rest are divided by their temperature;
+6. top-k, then top-p on the distribution renormalised after top-k, then min-p (``p >= min_p * p_max``,
    which is scale-free, so it is the same before or after renormalising);
-6. one draw per row by an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks index ``i``
+7. one draw per row by an exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. picks index ``i``
    with probability ``p_i``. Rows without a seed draw ``E`` from the sampler's generator in one call; rows
    with a seed draw theirs from their own generator, so their tokens do not depend on the rest of the batch.
 """
@@ -77,6 +78,8 @@ class Sampler:
         self._output_counts: torch.Tensor | None = None
         self._prompt_mask: torch.Tensor | None = None
         self._has_penalty = np.zeros(max_num_seqs, dtype=bool)
+        # logit_bias per slot, sparse: (token ids, biases) on the device, for the slots that have one.
+        self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._in_use = np.zeros(max_num_seqs, dtype=bool)
         self._seeded = np.zeros(max_num_seqs, dtype=bool)
         self._wants_logprobs = np.zeros(max_num_seqs, dtype=bool)
@@ -92,6 +95,9 @@ class Sampler:
         that resumes (after preemption) with tokens it already generated."""
         if self._params[slot] is not None:
             raise ValueError(f"slot {slot} is in use")
+        biased = [b.token_id for b in params.logit_bias if b.token_id >= self.vocab_size]
+        if biased:
+            raise ValueError(f"logit_bias names token {biased[0]}, outside the vocabulary of {self.vocab_size}")
         self._params[slot] = params
         self._in_use[slot] = True
         self._wants_logprobs[slot] = params.logprobs is not None
@@ -105,6 +111,11 @@ class Sampler:
             self._generators[slot] = gen
             self._seeded[slot] = True
         self._set_stop_ids(slot, params)
+        if params.logit_bias:
+            ids = [b.token_id for b in params.logit_bias]
+            self._bias[slot] = (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                                torch.tensor([b.bias for b in params.logit_bias], dtype=torch.float32,
+                                             device=self.device))
         needs_penalty = (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
                          or params.repetition_penalty != 1.0)
         self._has_penalty[slot] = needs_penalty
@@ -125,6 +136,7 @@ class Sampler:
         self._table_dirty = True
         self._generators.pop(slot, None)
         self._has_penalty[slot] = False
+        self._bias.pop(slot, None)
         self._stop_ids[slot] = -1
 
     def params(self, slot: int) -> SamplingParams | None:
@@ -214,7 +226,7 @@ class Sampler:
         return SampleResult(token_ids, is_stop, result_logprobs, top_ids, top_logprobs)
 
     def penalized_logits(self, logits: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-        """A float32 copy of ``logits`` with each row's repetition, presence and frequency penalties
+        """A float32 copy of ``logits`` with each row's logit bias and repetition, presence and frequency penalties
         applied (what greedy takes the argmax of and temperature divides); for tests and debugging."""
         slot_arr = np.asarray(list(slots), dtype=np.int64)
         self._sync_table()
@@ -229,6 +241,8 @@ class Sampler:
     def _penalized(self, logits: torch.Tensor, slot_arr: np.ndarray, slot_idx: torch.Tensor,
                    cols: torch.Tensor) -> torch.Tensor:
         x = logits.to(torch.float32, copy=True)
+        if self._bias:
+            self._add_bias(x, slot_arr)
         if not self._has_penalty[slot_arr].any():
             return x
         counts, prompt_mask = self._penalty_state()
@@ -240,6 +254,16 @@ class Sampler:
         x.copy_(torch.where(seen, penalised, x))
         x.sub_(cols[:, _PRESENCE, None] * (row_counts > 0) + cols[:, _FREQUENCY, None] * row_counts)
         return x
+
+    def _add_bias(self, x: torch.Tensor, slot_arr: np.ndarray) -> None:
+        """Each biased row's ``logit_bias`` added in place, in one scatter over the batch."""
+        rows = [(row, self._bias[int(slot)]) for row, slot in enumerate(slot_arr.tolist()) if int(slot) in self._bias]
+        if not rows:
+            return
+        row_idx = torch.cat([torch.full_like(ids, row) for row, (ids, _) in rows])
+        col_idx = torch.cat([ids for _, (ids, _) in rows])
+        values = torch.cat([vals for _, (_, vals) in rows])
+        x.index_put_((row_idx, col_idx), values, accumulate=True)
 
     def _draw(self, x: torch.Tensor, slot_arr: np.ndarray, host: np.ndarray,
               cols: torch.Tensor) -> torch.Tensor:

@@ -346,3 +346,17 @@ def test_step_timeline_on_metrics(server: StrideServer, client: openai.OpenAI) -
     assert grew["steps"] >= 12, grew  # a prefill step and at least eleven decodes
     assert 0 < grew["step_device_seconds"] <= grew["step_worker_seconds"] <= grew["step_round_trip_seconds"], grew
     assert grew["step_gap_seconds"] > 0, grew
+
+
+def test_logit_bias_through_the_openai_client(server: StrideServer, client: openai.OpenAI, tok: ModelTokenizer) -> None:
+    """+100 on one token makes greedy text that token over and over; the same request without it does not."""
+    target = tok.encode(" banana", add_special_tokens=False)[0]
+    biased = client.completions.create(model=server.model, prompt="My favourite fruit is", max_tokens=4,
+                                       temperature=0, logit_bias={str(target): 100})
+    assert tok.encode(biased.choices[0].text, add_special_tokens=False) == [target] * 4
+    plain = client.completions.create(model=server.model, prompt="My favourite fruit is", max_tokens=4,
+                                      temperature=0)
+    assert tok.encode(plain.choices[0].text, add_special_tokens=False) != [target] * 4
+    bad = client.with_options(max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        bad.completions.create(model=server.model, prompt="x", max_tokens=2, logit_bias={"49152": 5})

@@ -306,7 +306,8 @@ _COMMON_FIELDS: dict[str, tuple[str, list[Any]]] = {
     "stream": ("bool", []),
     "service_class": ("str", ["vip", ""]),
     "user": ("str", []),
-    "logit_bias": ("str", [{"1": 5}]),
+    "logit_bias": ("given", [5, "x", [], True, {"a": 1}, {"1": 101}, {"1": "a"}, {"1": True}, {"-1": 1},
+                             {"49152": 1}, {str(i): 1 for i in range(1025)}]),
     "stream_options": ("str", [{"include_usage": True}]),
 }
 _COMPLETION_FIELDS: dict[str, tuple[str, list[Any]]] = {
@@ -332,7 +333,7 @@ _CHAT_FIELDS: dict[str, tuple[str, list[Any]]] = {
     "tool_choice": ("bool", ["auto"]),
 }
 _CLIENT_PARAMS = {k: v for k, v in _COMMON_FIELDS.items()
-                  if k not in ("n", "stream", "user", "logit_bias", "stream_options")}
+                  if k not in ("n", "stream", "user", "stream_options")}
 
 
 def _mutations(fields: dict[str, tuple[str, list[Any]]]) -> Iterator[tuple[str, Any]]:

@@ -243,3 +243,44 @@ def test_misuse_is_refused():
         sampler.sample(LOGITS.expand(2, -1), [0, 1])
     with pytest.raises(ValueError):
         sampler.sample(LOGITS.expand(3, -1), [0, 0])
+
+
+def test_logit_bias_forces_bans_and_leaves_others_alone():
+    """+100 makes a token all but certain, greedy or sampled; -100 bans the argmax; logprobs stay raw; a row
+    without a bias in the same batch samples as it would alone; the bias goes before the penalties."""
+    from stride.params import LogitBias
+
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    top = int(logits[1].argmax())
+    sampler = Sampler(3, vocab, seed=1)
+    sampler.add_sequence(0, SamplingParams(temperature=1.0, logit_bias=(LogitBias(7, 100.0),), logprobs=0), [])
+    sampler.add_sequence(1, SamplingParams(temperature=0.0, logit_bias=(LogitBias(top, -100.0),)), [])
+    sampler.add_sequence(2, SamplingParams(temperature=0.0), [])
+    for _ in range(20):
+        res = sampler.sample(logits, [0, 1, 2], record=False)
+        assert res.token_ids.tolist()[0] == 7
+        assert res.token_ids.tolist()[1] != top
+        assert res.token_ids.tolist()[2] == int(logits[2].argmax())
+    assert res.logprobs is not None
+    assert float(res.logprobs[0]) == pytest.approx(float(torch.log_softmax(logits[0], -1)[7]), abs=1e-6)
+    # Control: without the bias, slot 1's greedy choice is the argmax the bias banned.
+    sampler.remove(1)
+    sampler.add_sequence(1, SamplingParams(temperature=0.0), [])
+    assert sampler.sample(logits[1:2], [1], record=False).token_ids.tolist() == [top]
+    # Ids past the vocabulary are refused when the sequence joins.
+    sampler.remove(2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sampler.add_sequence(2, SamplingParams(logit_bias=(LogitBias(vocab, 1.0),)), [])
+
+
+def test_logit_bias_bounds():
+    from stride.params import MAX_LOGIT_BIAS, LogitBias
+
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=(LogitBias(1, 101.0),))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=(LogitBias(1, 1.0), LogitBias(1, 2.0)))  # one id twice
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=tuple(LogitBias(i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)))
+    assert SamplingParams(logit_bias=(LogitBias(3, -100.0),)).logit_bias[0].bias == -100.0
