@@ -86,6 +86,12 @@ class Capture:
     margins: list[list[float]] = field(default_factory=list)
     """Top-two log-prob margin per sequence at each decision point."""
 
+    def add(self, step: StepCapture, decides: bool) -> None:
+        """Keep one step; at a decision point, also its greedy tokens and margins."""
+        self.steps.append(step)
+        if decides:
+            self.decide(step.logits)
+
     def decide(self, logits: torch.Tensor) -> list[int]:
         top = torch.log_softmax(logits.float(), dim=-1).topk(2, dim=-1)
         self.chosen.append(top.indices[:, 0].tolist())
@@ -187,12 +193,10 @@ def run_stride(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[
             logits = runner.forward(tokens, positions, np.asarray(step.slots), np.asarray(q_lens),
                                     np.asarray([s + q for s, q in zip(step.starts, q_lens, strict=True)]), tables)
             observed = not replayed[0] and all(t is not None for v in seen.values() for t in v)
-            capture.steps.append(StepCapture(
+            capture.add(StepCapture(
                 step.phase, logits.to("cpu", torch.float32, copy=True),
                 torch.stack(seen["attention"]) if observed else None,  # type: ignore[arg-type]
-                torch.stack(seen["mlp"]) if observed else None))  # type: ignore[arg-type]
-            if step.decides:
-                capture.decide(capture.steps[-1].logits)
+                torch.stack(seen["mlp"]) if observed else None), step.decides)  # type: ignore[arg-type]
     finally:
         for h in handles:
             h.remove()
@@ -279,10 +283,8 @@ def run_hf(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[int]
                         parts[k].append(list(seen[k]))
                 stacked = {k: torch.stack([torch.cat([seq[i] for seq in parts[k]]) for i in range(len(layers))])
                            for k in parts}
-                capture.steps.append(StepCapture(step.phase, torch.stack(logits), stacked["attention"],
-                                                 stacked["mlp"]))
-                if step.decides:
-                    capture.decide(capture.steps[-1].logits)
+                capture.add(StepCapture(step.phase, torch.stack(logits), stacked["attention"], stacked["mlp"]),
+                            step.decides)
     finally:
         for h in handles:
             h.remove()
