@@ -9,6 +9,14 @@ chunk and reports request throughput, output tokens/s, and TTFT, TPOT, ITL and e
 
 Output tokens are the server's ``usage.completion_tokens`` when it sends usage in the stream, else the
 count of chunks that carried text. TPOT = (latency − TTFT) / (output tokens − 1); ITL = gaps between chunks.
+
+Workloads as deployments see them: ``--range-ratio`` draws each prompt's and output's length around the means;
+``--shared-prefix-len N --num-prefixes K`` starts every prompt with one of K shared prefixes of N words (system
+prompts, few-shot examples: what a prefix cache is for), followed by its own ``--input-len`` words;
+``--sweep-rates 1,2,4`` runs the whole load once per request rate and ends with a table. ``--goodput-ttft-ms``
+and ``--goodput-tpot-ms`` set service-level targets: goodput is the rate of requests that completed within both.
+Against a Stride server the summary adds the step timeline (where the server's busy time went, from
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -64,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="draw lengths uniformly in [len·(1−r), len·(1+r)]")
+    parser.add_argument("--shared-prefix-len", type=int, default=0,
+                        help="words of a prefix shared by the prompts of a group (0: none)")
+    parser.add_argument("--num-prefixes", type=int, default=1,
+                        help="distinct shared prefixes; request i gets prefix i mod K")
+    parser.add_argument("--sweep-rates", default="", metavar="R1,R2,...",
+                        help="run the load once per request rate (requests/s) and print a table")
+    parser.add_argument("--goodput-ttft-ms", type=float, default=math.inf,
+                        help="TTFT target of a good request (ms)")
+    parser.add_argument("--goodput-tpot-ms", type=float, default=math.inf,
+                        help="TPOT target of a good request (ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/Stride extension)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -72,18 +90,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def make_prompts(num: int, input_len: int, output_len: int, range_ratio: float,
-                 seed: int) -> list[tuple[str, int, int]]:
-    """``num`` (prompt, prompt words, max_tokens) triples, the same for the same seed."""
+def make_prompts(num: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                 shared_prefix_len: int = 0, num_prefixes: int = 1) -> list[tuple[str, int, int]]:
+    """``num`` (prompt, prompt words, max_tokens) triples, the same for the same seed. With a shared prefix,
+    request ``i``'s prompt is prefix ``i mod num_prefixes`` then its own words."""
     rng = random.Random(seed)
 
     def draw(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(shared_prefix_len)) for _ in range(num_prefixes)]
     out = []
-    for _ in range(num):
+    for i in range(num):
         words = draw(input_len)
-        out.append((" ".join(rng.choice(WORDS) for _ in range(words)), words, draw(output_len)))
+        own = " ".join(rng.choice(WORDS) for _ in range(words))
+        prefix = prefixes[i % num_prefixes]
+        out.append((f"{prefix} {own}" if prefix else own, words + shared_prefix_len, draw(output_len)))
     return out
 
 
@@ -157,7 +179,8 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     base_url = args.base_url.rstrip("/")
     url = f"{base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    prompts = make_prompts(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
+    prompts = make_prompts(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed,
+                           args.shared_prefix_len, args.num_prefixes)
     arrivals = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency > 0 else None
     timeout = aiohttp.ClientTimeout(total=args.timeout)
@@ -253,6 +276,9 @@ def summarize(results: list[RequestResult], duration: float, model: str,
     """Throughput and latency percentiles (ms) over the requests that succeeded."""
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if r.ttft * 1000 <= args.goodput_ttft_ms and (
+        r.output_tokens <= 1 or 1000 * (r.latency - r.ttft) / (r.output_tokens - 1) <= args.goodput_tpot_ms)]
+    slo = {"ttft_ms": _finite_or_none(args.goodput_ttft_ms), "tpot_ms": _finite_or_none(args.goodput_tpot_ms)}
     return {
         "model": model, "base_url": args.base_url, "endpoint": args.endpoint,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
@@ -264,7 +290,14 @@ def summarize(results: list[RequestResult], duration: float, model: str,
         "total_output_tokens": output_tokens, "total_input_words": sum(r.prompt_words for r in ok),
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(_tpots(ok)),
         "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in ok]),
+        "shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes,
+        "goodput": {"slo": slo, "good_requests": len(good),
+                    "request_goodput": len(good) / duration if duration > 0 else 0.0},
     }
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 _METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_latency_ms", "E2E"))
@@ -278,6 +311,10 @@ def format_summary(s: dict[str, Any]) -> str:
     for key, label in _METRICS:
         st = s[key]
         lines.append(f"{label:<20}" + "".join(f"{st[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99")))
+    g = s.get("goodput")
+    if g and (g["slo"]["ttft_ms"] is not None or g["slo"]["tpot_ms"] is not None):
+        lines.append(f"goodput              {g['request_goodput']:.2f} req/s ({g['good_requests']} requests within "
+                     f"TTFT {g['slo']['ttft_ms']} ms, TPOT {g['slo']['tpot_ms']} ms)")
     t = s.get("step_timeline")
     if t:
         lines.append(f"step timeline        {t['steps']:.0f} steps, {t['mean_cycle_ms']:.2f} ms per cycle: device "
@@ -318,11 +355,39 @@ def write_plot(path: str, results: list[RequestResult], summary: dict[str, Any])
     plt.close(fig)
 
 
+def parse_rates(text: str) -> list[float]:
+    """``--sweep-rates`` as numbers (``inf`` allowed); ``ValueError`` for anything not positive."""
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--sweep-rates must be positive numbers, got {text!r}")
+    return rates
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'rate (req/s)':>12} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+             f"{'TPOT p99':>9} {'goodput':>8} {'failed':>7}"]
+    for s in rows:
+        lines.append(f"{str(s['request_rate']):>12} {s['request_throughput']:>8.2f} {s['output_throughput']:>9.1f} "
+                     f"{s['ttft_ms']['p50']:>9.1f} {s['ttft_ms']['p99']:>9.1f} {s['tpot_ms']['p50']:>9.1f} "
+                     f"{s['tpot_ms']['p99']:>9.1f} {s['goodput']['request_goodput']:>8.2f} {s['failed']:>7}")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1 or not args.request_rate > 0:
         print("stride bench: --num-requests, --input-len, --output-len and --request-rate must be positive",
               file=sys.stderr)
         return 2
+    if args.shared_prefix_len < 0 or args.num_prefixes < 1:
+        print("stride bench: --shared-prefix-len must be >= 0 and --num-prefixes >= 1", file=sys.stderr)
+        return 2
+    if args.sweep_rates:
+        try:
+            rates = parse_rates(args.sweep_rates)
+        except ValueError as e:
+            print(f"stride bench: {e}", file=sys.stderr)
+            return 2
+        return _sweep(args, rates)
     if args.out_png:
         try:
             _pyplot()  # fail before the load runs, not after
@@ -341,3 +406,22 @@ def main(args: argparse.Namespace) -> int:
     if args.out_png:
         write_plot(args.out_png, results, summary)
     return 0 if summary["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace, rates: list[float]) -> int:
+    """The load once per rate, a summary after each, then the table (and every summary in ``--out-json``)."""
+    rows = []
+    for rate in rates:
+        run_args = argparse.Namespace(**{**vars(args), "request_rate": rate})
+        try:
+            summary, _ = asyncio.run(run_benchmark(run_args))
+        except aiohttp.ClientError as e:
+            print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
+            return 1
+        print(f"--- request rate {rate} req/s\n{format_summary(summary)}\n", flush=True)
+        rows.append(summary)
+    print(format_sweep(rows))
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump({"sweep": rows}, f, indent=1)
+    return 0 if all(r["completed"] for r in rows) else 1

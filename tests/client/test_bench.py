@@ -201,3 +201,39 @@ def test_step_timeline_from_the_servers_counters() -> None:
         summary, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "2",
                                                            "--output-len", "3")))
     assert summary["step_timeline"] is None and summary["completed"] == 2
+
+
+def test_shared_prefixes() -> None:
+    """Request i starts with prefix i mod K (K distinct ones of N words), then words of its own."""
+    prompts = bench.make_prompts(9, 20, 8, 0.0, seed=3, shared_prefix_len=30, num_prefixes=3)
+    heads = [" ".join(p.split()[:30]) for p, _, _ in prompts]
+    assert len(set(heads)) == 3 and all(heads[i] == heads[i % 3] for i in range(9))
+    assert all(words == 50 == len(p.split()) for p, words, _ in prompts)
+    tails = {" ".join(p.split()[30:]) for p, _, _ in prompts}
+    assert len(tails) == 9  # control: the rest of each prompt is its own
+    assert bench.make_prompts(4, 20, 8, 0.0, seed=3) == bench.make_prompts(4, 20, 8, 0.0, seed=3, num_prefixes=5)
+
+
+def test_goodput_counts_requests_within_both_targets() -> None:
+    with FakeServer() as server:  # ~2 ms between tokens
+        loose, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "4",
+                                                         "--output-len", "5", "--goodput-ttft-ms", "5000",
+                                                         "--goodput-tpot-ms", "1000")))
+        tight, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "4",
+                                                         "--output-len", "5", "--goodput-tpot-ms", "0.01")))
+    assert loose["goodput"]["good_requests"] == 4 and loose["goodput"]["request_goodput"] > 0
+    assert tight["goodput"]["good_requests"] == 0 and tight["goodput"]["slo"] == {"ttft_ms": None, "tpot_ms": 0.01}
+    assert "goodput" in bench.format_summary(loose)
+
+
+def test_rate_sweep_runs_each_rate_and_tabulates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep.json"
+    with FakeServer() as server:
+        code = bench.main(_args("--base-url", server.url, "--num-requests", "3", "--output-len", "3",
+                                "--sweep-rates", "50,inf", "--out-json", str(out)))
+    assert code == 0
+    rows = json.loads(out.read_text())["sweep"]
+    assert [r["request_rate"] for r in rows] == [50.0, "inf"] and all(r["completed"] == 3 for r in rows)
+    table = capsys.readouterr().out.splitlines()
+    assert table[-3].split()[:2] == ["rate", "(req/s)"] and table[-2].split()[0] == "50.0"
+    assert bench.main(_args("--sweep-rates", "2,-1")) == 2
