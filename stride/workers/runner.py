@@ -77,6 +77,32 @@ class RunnerConfig:
                             max_model_len=sched.max_model_len, tp_rank=tp_rank)
 
 
+def refuse_weights_that_cannot_fit(model: str, dtype: torch.dtype, quantize_group: int, w4a16: bool, tp_size: int,
+                                   free_bytes: int) -> None:
+    """``MemoryError`` with the planner's figures when one rank's weights (the planner's count, in the format they
+    will be held in) exceed ``free_bytes``: the deployment is refused before anything loads, not when a device
+    allocation fails halfway through. A GGUF kept in its own 4-bit blocks is not checked: the planner's formats do
+    not say which of its tensors stay 16-bit."""
+    from stride.planner.formats import weight_format
+    from stride.planner.geometry import load_geometry
+    from stride.planner.parallel import Parallelism, rank_weight_bytes
+
+    if w4a16 and not quantize_group:
+        return
+    geometry = load_geometry(model)
+    fmt = weight_format("w4a16", quantize_group) if quantize_group else weight_format(
+        "fp16" if dtype == torch.float16 else "bf16")
+    need = max(rank_weight_bytes(geometry, fmt, Parallelism(tp=tp_size)))
+    held_as = fmt.name
+    if dtype == torch.float32 and not quantize_group:
+        need, held_as = need * 2, "float32"
+    if need > free_bytes:
+        raise MemoryError(
+            f"{geometry.name or model}: the weights need {need / 2**30:.1f} GiB per rank ({held_as}, tp={tp_size}) "
+            f"but {free_bytes / 2**30:.1f} GiB of the device is free for them; `stride plan` shows what fits "
+            "(more ranks, or --quantize w4a16)")
+
+
 class ModelRunner:
     """One rank's model and KV cache. Not thread-safe; one step at a time.
 
@@ -110,6 +136,9 @@ class ModelRunner:
         # ``quantize`` ("w4a16[-g<N>]") makes every projection 4-bit, quantised at load.
         group = quantize_group_size(worker.quantize)
         self.w4a16 = group > 0 or use_w4a16(self.device.type, self.backend.name, worker.w4a16)
+        if self.device.type == "cuda":  # refuse what cannot fit before a byte of it loads
+            refuse_weights_that_cannot_fit(worker.model, self.dtype, group, self.w4a16, tp_size,
+                                           free_device_bytes(self.device, worker.gpu_memory_utilization))
         self.model = load_model(worker.model, self.device, self.dtype, progress, tp_rank=config.tp_rank,
                                 tp_size=tp_size, w4a16=self.w4a16, quantize_group=group)
         apply_tensor_parallel(self.model, self.tp)

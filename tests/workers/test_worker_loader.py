@@ -142,3 +142,18 @@ def test_random_gguf_of_a_tied_preset_has_no_output_matrix(tmp_path: Path, tied:
     assert model.args.tie_word_embeddings == tied
     shared = model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     assert shared == tied
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading() -> None:
+    """The check the runner makes on a GPU before it loads anything: the planner's weight bytes per rank against
+    the device's free memory (catalog shapes: nothing is read but the config)."""
+    from stride.workers.runner import refuse_weights_that_cannot_fit
+
+    free = 126 * 2**30  # an H200 at 0.9 of its memory, nothing held yet
+    with pytest.raises(MemoryError, match=r"131\.4 GiB per rank \(bf16, tp=1\) but 126\.0 GiB"):
+        refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 0, False, 1, free)
+    refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 0, False, 2, free)  # half on each of two
+    refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 128, True, 1, free)  # 4-bit at load
+    refuse_weights_that_cannot_fit("llama-3.1-8b", torch.bfloat16, 0, False, 1, free)
+    with pytest.raises(MemoryError, match="float32"):  # float32 holds twice the bytes
+        refuse_weights_that_cannot_fit("llama-3.1-8b", torch.float32, 0, False, 1, 20 * 2**30)
