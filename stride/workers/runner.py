@@ -83,11 +83,12 @@ def refuse_weights_that_cannot_fit(model: str, dtype: torch.dtype, quantize_grou
     will be held in) exceed ``free_bytes``: the deployment is refused before anything loads, not when a device
     allocation fails halfway through. A GGUF kept in its own 4-bit blocks is not checked: the planner's formats do
     not say which of its tensors stay 16-bit."""
+    from stride.model.files import is_gguf
     from stride.planner.formats import weight_format
     from stride.planner.geometry import load_geometry
     from stride.planner.parallel import Parallelism, rank_weight_bytes
 
-    if w4a16 and not quantize_group:
+    if w4a16 and not quantize_group and is_gguf(model):
         return
     geometry = load_geometry(model)
     fmt = weight_format("w4a16", quantize_group) if quantize_group else weight_format(

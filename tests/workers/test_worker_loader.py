@@ -152,6 +152,8 @@ def test_weights_that_cannot_fit_are_refused_before_loading() -> None:
     free = 126 * 2**30  # an H200 at 0.9 of its memory, nothing held yet
     with pytest.raises(MemoryError, match=r"131\.4 GiB per rank \(bf16, tp=1\) but 126\.0 GiB"):
         refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 0, False, 1, free)
+    with pytest.raises(MemoryError):  # the GPU's 4-bit default keeps only a GGUF's Q4 blocks: a 16-bit checkpoint
+        refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 0, True, 1, free)  # stays 16-bit
     refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 0, False, 2, free)  # half on each of two
     refuse_weights_that_cannot_fit("llama-3.1-70b", torch.bfloat16, 128, True, 1, free)  # 4-bit at load
     refuse_weights_that_cannot_fit("llama-3.1-8b", torch.bfloat16, 0, False, 1, free)
