@@ -47,11 +47,6 @@ class CheckpointTensor:
         return CheckpointTensor(self.name, self.shape, lambda region: fn(read(region)))
 
 
-def in_memory(name: str, tensor: Any) -> CheckpointTensor:
-    """A tensor already in memory (dense or packed) as a :class:`CheckpointTensor` (tests, and ``load_full``)."""
-    return CheckpointTensor(name, shape_of(tensor), lambda region: narrow(tensor, region))
-
-
 def shape_of(part: Part) -> tuple[int, ...]:
     if isinstance(part, torch.Tensor):
         return tuple(part.shape)
