@@ -188,8 +188,9 @@ def run(config: StrideConfig) -> int:
                 handlers[type(msg)](msg)
             desc = loop.next_step(now)
             if desc is not None:
-                to_worker.put(desc)
+                # Stamped before the send: rank 0 may take the descriptor before put returns here.
                 loop.timeline.sent(time.perf_counter())
+                to_worker.put(desc)
             elif loop.inflight is None:
                 loop.timeline.idle()
             if now - last_stats >= STATS_INTERVAL_S:
