@@ -58,11 +58,13 @@ class FrontendMetrics:
         self.step_gap = counter("stride:step_gap_seconds", "From a step's answer to the next step sent, when one "
                                 "followed at once: the scheduler's share of busy time.")
         self._labels = {"model_name": model_name}
-        for metric in (self.steps, self.step_device, self.step_worker, self.step_round_trip, self.step_gap):
+        timeline = {"steps": self.steps, "step_device_s": self.step_device, "step_worker_s": self.step_worker,
+                    "step_round_trip_s": self.step_round_trip, "step_gap_s": self.step_gap}
+        for metric in timeline.values():
             self.lbl(metric)  # exported as 0 from the start, so a reader's "before" exists before the first step
-        self._preemptions_seen = 0
-        self._timeline_seen = {"steps": 0.0, "step_device_s": 0.0, "step_worker_s": 0.0, "step_round_trip_s": 0.0,
-                               "step_gap_s": 0.0}
+        # SchedulerStats field holding a running total → the counter it advances, and the total seen so far.
+        self._totals: dict[str, Counter] = {"num_preemptions": self.preemptions, **timeline}
+        self._seen = dict.fromkeys(self._totals, 0.0)
 
     def lbl(self, metric, **extra: str):  # type: ignore[no-untyped-def]
         return metric.labels(**self._labels, **extra)
@@ -74,16 +76,11 @@ class FrontendMetrics:
         self.lbl(self.blocks_live).set(stats.num_blocks_live)
         self.lbl(self.blocks_cached).set(stats.num_blocks_cached)
         self.lbl(self.blocks_free).set(stats.num_blocks_free)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.lbl(self.preemptions).inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
-        metrics = {"steps": self.steps, "step_device_s": self.step_device, "step_worker_s": self.step_worker,
-                   "step_round_trip_s": self.step_round_trip, "step_gap_s": self.step_gap}
-        for name, metric in metrics.items():
+        for name, metric in self._totals.items():
             total = float(getattr(stats, name))
-            if total > self._timeline_seen[name]:
-                self.lbl(metric).inc(total - self._timeline_seen[name])
-                self._timeline_seen[name] = total
+            if total > self._seen[name]:
+                self.lbl(metric).inc(total - self._seen[name])
+                self._seen[name] = total
 
     def sequence_done(self, num_prompt: int, num_cached: int, num_output: int) -> None:
         self.lbl(self.prompt_tokens).inc(num_prompt)
