@@ -2,7 +2,8 @@
 """Where one decode step's time goes on the worker: the forward (graph replay or eager) and the sampler, each as
 the span between CUDA events, and the rest of the host's wall time (the copy of the sampled ids to the host, the
 launches not hidden behind the GPU); and how much of the step's wall time the GPU spends running kernels (the torch
-profiler's kernel time over the same steps), which a CUDA-event span cannot tell apart from gaps inside it.
+profiler's kernel time over the same steps), which a CUDA-event span cannot tell apart from gaps inside it;
+``--kernels N`` lists the N kernels that took most of it.
 
 Runs the worker's own ModelRunner and Sampler (greedy, no penalties: the served default) on a decode batch at a
 given context. Prints figures; asserts nothing.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,12 +26,13 @@ from stride.workers.runner import ModelRunner, RunnerConfig
 from stride.workers.sampling import Sampler
 
 
-def measure(runner: ModelRunner, batch: int, context: int, steps: int) -> dict[str, float]:
+def measure(runner: ModelRunner, batch: int, context: int, steps: int) -> dict[str, Any]:
     bs = runner.block_size
-    per_seq = -(-(context + steps + 2) // bs)
-    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
-    slots = np.arange(batch, dtype=np.int32)
+    per_seq = -(-(context + steps + 12) // bs)  # the warm-up, timed and profiled steps
     rng = np.random.default_rng(0)
+    # Blocks drawn at random from the whole cache, as a long-serving block manager hands them out.
+    tables = rng.permutation(runner.num_blocks)[: batch * per_seq].astype(np.int32).reshape(batch, per_seq)
+    slots = np.arange(batch, dtype=np.int32)
     per_step = max(1, 4096 // context)
     for lo in range(0, batch, per_step):  # prefill, chunked as the scheduler's budget would
         s = slots[lo : lo + per_step]
@@ -73,8 +76,10 @@ def measure(runner: ModelRunner, batch: int, context: int, steps: int) -> dict[s
             tokens = step(3 + steps + i, False).astype(np.int32)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernel_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    out["gpu_busy"] = kernel_us / 1e6 / wall
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    out["gpu_busy"] = sum(e.device_time_total for e in kernels) / 1e6 / wall
+    # Per step: (kernel, ms of device time, launches), most time first.
+    out["kernels"] = sorted(((e.key, e.device_time_total / 8e3, e.count / 8) for e in kernels), key=lambda k: -k[1])
     return out
 
 
@@ -85,17 +90,22 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="KV blocks of the cache (default: just enough; a served cache fills the device)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N", help="print the N kernels with most device time")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
-    need = max(batches) * -(-(a.context + a.steps + 16) // 16)
+    need = max(a.num_blocks, max(batches) * -(-(a.context + a.steps + 12) // 16))
     worker = WorkerConfig(model=a.model, device="cuda", dtype="bfloat16", cuda_graphs=not a.eager)
     runner = ModelRunner(RunnerConfig(worker, num_blocks=need, max_num_seqs=max(batches),
-                                      max_model_len=a.context + a.steps + 64, max_num_batched_tokens=4096))
+                                      max_model_len=a.context + a.steps + 12, max_num_batched_tokens=4096))
     print(f"{'batch':>5} {'step ms':>8} {'forward':>8} {'sample':>8} {'rest':>8} {'GPU busy':>9}")
     for b in batches:
         r = measure(runner, b, a.context, a.steps)
         print(f"{b:>5} {r['wall']:>8.2f} {r['forward']:>8.2f} {r['sample']:>8.2f} {r['rest']:>8.2f} "
               f"{r['gpu_busy']:>9.0%}", flush=True)
+        for name, ms, count in r["kernels"][: a.kernels]:
+            print(f"{'':>6}{ms:>8.3f} ms {count:>6.0f}x  {name[:100]}")
     return 0
 
 

@@ -135,6 +135,8 @@ class Steps:
         back: it overwrites an earlier key and attends to only the keys before it (the prompt stays whole)."""
         lengths = [0, 0, 0]
         out = []
+        self.graphed: list[bool] = []
+        """Per step of the last run: whether the runner replayed a decode graph for it."""
         for step in self.schedule:
             ids, pos, slots, q_lens, ctx = [], [], [], [], []
             for slot, n in step:
@@ -159,6 +161,7 @@ class Steps:
                     self.tables,
                 )
             )
+            self.graphed.append(runner.last_step_graphed)
         return out
 
 

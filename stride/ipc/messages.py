@@ -117,6 +117,8 @@ class StepDone(Message):
     device_s: float = 0.0
     """Of that, the device's span (CUDA events around the forward and the sampling; on the CPU the same as
     ``worker_s`` less the message handling)."""
+    graphed: bool = False
+    """The forward replayed a decode graph (else it ran eagerly: a step with prefill, or past the graphs)."""
 
 
 TO_SCHEDULER = (TokenizedRequest, AbortRequest, StepDone)
@@ -208,6 +210,9 @@ class SchedulerStats(Message):
     step_worker_s: float = 0.0
     step_round_trip_s: float = 0.0
     step_gap_s: float = 0.0
+    graph_steps: int = 0
+    """Of the steps, those whose forward replayed a decode graph, and their device seconds."""
+    graph_step_device_s: float = 0.0
 
 
 TO_FRONTEND = (TextDelta, RequestFailed, SchedulerStats)

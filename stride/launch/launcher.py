@@ -254,7 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: STRIDE_DEVICE, else CUDA when present")
     p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=WorkerConfig.num_threads,
-                   help="CPU threads of the worker's torch ops (default: one per core)")
+                   help="CPU threads of the worker's torch ops (default: one on a GPU, one per core on a CPU)")
     p.add_argument("--quantize", default=WorkerConfig.quantize, metavar="none|w4a16|w4a16-g<N>",
                    help="quantise the projections to 4 bits at load (groups of 128 inputs, or N) and run them on "
                         "the W4A16 GEMM (default: as stored; a GGUF's Q4 projections are 4-bit on the GPU anyway)")

@@ -33,6 +33,9 @@ class StepTimeline:
     worker_s: float = 0.0
     round_trip_s: float = 0.0
     gap_s: float = 0.0
+    graph_steps: int = 0
+    """Steps whose forward replayed a decode graph, and their share of ``device_s``: the rest ran eagerly."""
+    graph_device_s: float = 0.0
     _sent_at: float | None = None
     _done_at: float | None = None
 
@@ -43,8 +46,11 @@ class StepTimeline:
             self._done_at = None
         self._sent_at = now
 
-    def done(self, now: float, worker_s: float, device_s: float) -> None:
+    def done(self, now: float, worker_s: float, device_s: float, graphed: bool = False) -> None:
         """Rank 0's answer to the step in flight came at ``now``."""
+        if graphed:
+            self.graph_steps += 1
+            self.graph_device_s += device_s
         if self._sent_at is not None:
             self.round_trip_s += now - self._sent_at
             self._sent_at = None

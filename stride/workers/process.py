@@ -55,9 +55,10 @@ class ModelStepper:
         from stride.workers.runner import ModelRunner, resolve_device_dtype
         from stride.workers.sampling import Sampler
 
-        if config.worker.num_threads:
-            torch.set_num_threads(config.worker.num_threads)
         device, _ = resolve_device_dtype(config.worker.device, config.worker.dtype)
+        threads = config.worker.num_threads or (1 if device.type == "cuda" else 0)
+        if threads:
+            torch.set_num_threads(threads)
         if device.type == "cuda":
             torch.cuda.set_device(rank)  # one GPU per rank
         self.tp = TensorParallel.init(rank, config.worker.tensor_parallel_size, config.ipc.tp_rendezvous(),
@@ -75,6 +76,11 @@ class ModelStepper:
         # Penalised sequences see their prompt and earlier output only as the step inputs flow past;
         # they join the sampler when they first sample.
         self._history: dict[int, _History] = {}
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the last step replayed a decode graph."""
+        return self.runner.last_step_graphed
 
     def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
         """Run one step; returns the sequences that failed alone (their rows sample nothing)."""
@@ -105,7 +111,8 @@ class ModelStepper:
         if len(rows) == 0:
             return list(failed.values())
         slots = buf.seq_slots[:n][rows].tolist()
-        res = self.sampler.sample(logits[rows], slots)
+        # Every row samples in a decode step: no gather (an index from the host would wait for the forward).
+        res = self.sampler.sample(logits if len(rows) == n else logits[rows], slots)
         buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
         if res.logprobs is not None:
             buf.logprobs[rows] = res.logprobs.cpu().numpy()
@@ -157,6 +164,8 @@ class SimStepper:
         self.num_blocks = config.cache.num_blocks
         self.backend = SimBackend(config.scheduler.max_num_seqs, self.vocab_size,
                                   eos_token_ids=list(config.facts.eos_token_ids), step_time=cost.step_time)
+
+    graphed = False
 
     def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
@@ -256,7 +265,7 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                 raise
             if rank == 0:
                 to_sched.put(m.StepDone(msg.step, failed=failed, worker_s=time.perf_counter() - taken,
-                                        device_s=timer.seconds()))
+                                        device_s=timer.seconds(), graphed=stepper.graphed))
     except Exception as e:
         log.exception("worker rank %d failed", rank)
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))

@@ -170,6 +170,8 @@ class ModelRunner:
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
         self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype, tp_size)
         self.num_blocks = num_blocks
+        self.last_step_graphed = False
+        """Whether the last :meth:`forward` replayed a decode graph (the step timeline counts those apart)."""
         use_fused_kernels(self.model, self.backend.fused_layers)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
@@ -230,25 +232,31 @@ class ModelRunner:
         if len(q_lens) == 0:
             return torch.empty(0, self.args.vocab_size, device=self.device)
         max_blocks = int(-(-ctx_lens.max() // self.block_size))
-        # Only this step's rows and columns leave the shared array; the gather copies on our side.
-        all_tables = _tensor(block_tables)
-        tables_host = all_tables[:, :max_blocks][torch.from_numpy(slots)]
-        needed = (
-            torch.arange(max_blocks)[None, :] < torch.from_numpy(-(-ctx_lens // self.block_size))[:, None]
-        )
-        if bool(((tables_host < 0) | (tables_host >= self.num_blocks))[needed].any()):
+        # Only this step's rows and columns leave the shared array; the gather copies on our side. The checks are
+        # numpy: the host side of a step stays on one thread (torch's CPU ops would fan small arrays out to its
+        # thread pool).
+        all_tables = block_tables.numpy() if isinstance(block_tables, torch.Tensor) else np.asarray(block_tables)
+        width = all_tables.shape[1]
+        if max_blocks > width:
+            raise ValueError(f"a context of {int(ctx_lens.max())} tokens needs {max_blocks} blocks but the block "
+                             f"table has {width} columns")
+        rows = all_tables[slots, :max_blocks]
+        used = rows[np.arange(max_blocks)[None, :] < (-(-ctx_lens // self.block_size))[:, None]]
+        if used.size and (used.min() < 0 or used.max() >= self.num_blocks):
             raise ValueError(f"block table names a block outside 0..{self.num_blocks - 1}")
+        tables_host = torch.from_numpy(np.ascontiguousarray(rows))
         # The kernels place a sequence's tokens at the last query_len positions of its context; a position
         # past the context would also index past its block table (a device-side assert on CUDA).
         pos_host = np.asarray(positions, dtype=np.int64)
         offsets = np.arange(len(pos_host)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         if len(pos_host) != q_lens.sum() or np.any(pos_host != np.repeat(ctx_lens - q_lens, q_lens) + offsets):
             raise ValueError("each sequence's positions must be the last query_len of its context_len")
-        width = all_tables.shape[1]
         decode_only = q_lens.max() == 1
+        self.last_step_graphed = False
         if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
             logits = self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
             if logits is not None:  # else no memory to capture its bucket: eagerly, below
+                self.last_step_graphed = True
                 return logits
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)

@@ -337,15 +337,18 @@ def test_step_timeline_on_metrics(server: StrideServer, client: openai.OpenAI) -
 
     before = scrape()
     assert "stride:steps_total{" in before  # exported from the start (0 on a fresh server)
+    assert "stride:graph_steps_total{" in before
     client.completions.create(model=server.model, prompt="Count: one, two,", max_tokens=12, temperature=0, extra_body={
         "ignore_eos": True})
     time.sleep(1.2)  # the scheduler's totals reach the frontend every half second
     after = scrape()
     grew = {n: _counter(after, n) - _counter(before, n) for n in (
-        "steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds", "step_gap_seconds")}
+        "steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds", "step_gap_seconds",
+        "graph_steps")}
     assert grew["steps"] >= 12, grew  # a prefill step and at least eleven decodes
     assert 0 < grew["step_device_seconds"] <= grew["step_worker_seconds"] <= grew["step_round_trip_seconds"], grew
     assert grew["step_gap_seconds"] > 0, grew
+    assert grew["graph_steps"] == 0, grew  # the CPU's torch backend captures no graphs
 
 
 def test_logit_bias_through_the_openai_client(server: StrideServer, client: openai.OpenAI, tok: ModelTokenizer) -> None:

@@ -82,9 +82,13 @@ def test_graph_path_equals_eager_cpu(tiny_path: Path) -> None:
     assert graphed.num_blocks == eager.num_blocks == 40
     assert graphed.kv_cache.k_caches[0].shape[0] == 41  # the padding block, out of the scheduler's ids
     steps = Steps(40, 4, graphed.args.vocab_size)
-    want, got = steps.run(eager), steps.run(graphed)
-    # The two decode-only steps (3 sequences, padded to 4) went through one graph; the mixed steps did not.
+    want = steps.run(eager)
+    assert steps.graphed == [False] * 5
+    got = steps.run(graphed)
+    # The two decode-only steps (3 sequences, padded to 4) went through one graph; the mixed steps did not, and
+    # the runner says which (the step timeline counts them apart).
     assert {key: g.replays for key, g in graphed.graphs._graphs.items()} == {(4, 12): 2}
+    assert steps.graphed == [False, False, False, True, True]
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.shape == w.shape
         err = (g - w).abs().max().item()
@@ -140,6 +144,10 @@ def test_steps_without_a_graph_run_eagerly_cpu(tiny_path: Path) -> None:
         wrong[1, 0] = bad
         with pytest.raises(ValueError, match="outside 0..15"):
             decode_step(runner, [1, 2], [3, 3], wrong)
+    # ... and a context longer than the table is wide (4 columns of 4 tokens) is named, not an IndexError.
+    with pytest.raises(ValueError, match="17 tokens needs 5 blocks but the block table has 4 columns"):
+        decode_step(runner, [1, 2], [3, 17], tables)
+    decode_step(runner, [1, 2], [3, 16], tables)  # control: the full width is fine
 
 
 @torch.inference_mode()
