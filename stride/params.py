@@ -37,6 +37,24 @@ MAX_LOGIT_BIAS = 1024
 """Most entries of one request's ``logit_bias``."""
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a sequence's output must match (structured outputs): ``kind`` one of :data:`CONSTRAINT_KINDS` and its
+    ``spec``: a JSON schema as JSON text (``json_schema``), nothing (``json_object``: any JSON object), a regular
+    expression, a JSON array of strings (``choice``: exactly one of them) or a Lark / GBNF grammar. Compiled by the
+    tokenizer process (:mod:`stride.grammar.compile`), enforced by the scheduler's token masks."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {list(CONSTRAINT_KINDS)}, got {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class LogitBias:
     """``bias`` added to ``token_id``'s logit before sampling (OpenAI's ``logit_bias``: -100 bans, 100 all but

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from stride.params import (
     CONTEXT_LENGTH_EXCEEDED,
     MAX_LOGIT_BIAS,
     SEED_MODULUS,
+    Constraint,
     LogitBias,
     SamplingParams,
     context_overflow,
@@ -30,11 +32,15 @@ requests without it get the rest of the context."""
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "stop_token_ids", "logit_bias"}
-_COMMON = _SAMPLING_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options", "user",
-                              "service_class"}
+CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"}
+"""Structured outputs: OpenAI's ``response_format``, vLLM's ``structured_outputs`` object and its older
+``guided_*`` fields; at most one constraint per request, on either endpoint."""
+_COMMON = _SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options",
+                                                  "user", "service_class"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
-CLIENT_FIELDS = _SAMPLING_FIELDS | {"max_tokens", "stop", "logprobs", "service_class"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CLIENT_FIELDS = _SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_tokens", "stop", "logprobs", "service_class"}
 UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call"}
 """Fields that change what a client gets back, so ignoring them would answer a different question: refused with a
 400 naming them, where every other unknown field is ignored."""
@@ -99,6 +105,8 @@ class ParsedRequest:
     service_class: str | None = None
     ignored_fields: tuple[str, ...] = ()
     """Fields of the body this server does not know and ignored (named in a response header)."""
+    constraint: Constraint | None = None
+    """What every sequence's output must match (structured outputs)."""
 
     def sequences(self, req_id: str, tenant: str) -> list[GenerateRequest]:
         """The wire requests, one per sequence: ids ``<req_id>-i``, seeds ``seed + i`` when seeded."""
@@ -109,7 +117,8 @@ class ParsedRequest:
                 params = dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS)
             out.append(GenerateRequest(req_id=f"{req_id}-{i}", tenant=tenant, params=params,
                                        prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                                       messages=self.messages, service_class=self.service_class))
+                                       messages=self.messages, service_class=self.service_class,
+                                       constraint=self.constraint))
         return out
 
 
@@ -311,13 +320,76 @@ def _completion_only(body: dict[str, Any], n: int) -> None:
         raise invalid(f"'best_of' other than n is not supported (best_of {best_of}, n {n})", "best_of")
 
 
-def _response_format(body: dict[str, Any]) -> None:
-    fmt = _get(body, "response_format", "dict")
-    if fmt is None:
-        return
+def _schema_text(schema: Any, param: str) -> str:
+    """A JSON schema given as an object (or JSON text) → canonical JSON text: the same schema, the same cache key."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise invalid(f"'{param}' is not valid JSON: {e}", param) from None
+    if not isinstance(schema, dict | bool):
+        raise invalid(f"'{param}' must be a JSON schema (an object)", param)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def _response_format(fmt: dict[str, Any]) -> Constraint | None:
     kind = _get(fmt, "type", "str")
-    if kind != "text":
-        raise invalid(f"response_format of type {kind!r} is not supported", "response_format")
+    if kind is None:
+        raise invalid("response_format needs 'type'", "response_format.type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = _get(fmt, "json_schema", "dict")
+        if spec is None:
+            raise invalid("response_format of type 'json_schema' needs 'json_schema'", "response_format.json_schema")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            raise invalid("response_format.json_schema needs 'schema'", "response_format.json_schema.schema")
+        return Constraint("json_schema", _schema_text(schema, "response_format.json_schema.schema"))
+    raise invalid(f"response_format of type {kind!r} is not supported (text, json_object, json_schema)",
+                  "response_format.type")
+
+
+def _guided(source: dict[str, Any], prefix: str) -> list[Constraint]:
+    """vLLM's constraint fields, ``guided_json`` etc. (``prefix`` "guided_") or inside ``structured_outputs``."""
+    out = []
+    json_spec = source.get(f"{prefix}json")
+    if json_spec is not None:
+        out.append(Constraint("json_schema", _schema_text(json_spec, f"{prefix}json")))
+    regex = _get(source, f"{prefix}regex", "str")
+    if regex is not None:
+        out.append(Constraint("regex", regex))
+    choice = _get(source, f"{prefix}choice", "list")
+    if choice is not None:
+        if not choice or not all(isinstance(c, str) and c for c in choice):
+            raise invalid(f"'{prefix}choice' must be a non-empty array of non-empty strings", f"{prefix}choice")
+        out.append(Constraint("choice", json.dumps(choice)))
+    grammar = _get(source, f"{prefix}grammar", "str")
+    if grammar is not None:
+        out.append(Constraint("grammar", grammar))
+    if prefix == "" and _get(source, "json_object", "bool"):
+        out.append(Constraint("json_object"))
+    return out
+
+
+def constraint(body: dict[str, Any]) -> Constraint | None:
+    """The request's structured-output constraint, or None; 400 for a malformed one or for more than one. Whether
+    the schema, regex or grammar compiles is checked where it is compiled (the tokenizer process, also a 400)."""
+    found = _guided(body, "guided_")
+    fmt = _get(body, "response_format", "dict")
+    if fmt is not None:
+        c = _response_format(fmt)
+        if c is not None:
+            found.append(c)
+    so = _get(body, "structured_outputs", "dict")
+    if so is not None:
+        found += _guided(so, "")
+    if len(found) > 1:
+        raise invalid("give at most one of response_format, structured_outputs and the guided_* fields (and one "
+                      "constraint in each)", "response_format")
+    return found[0] if found else None
 
 
 def parse_completion(body: Any, limits: Limits) -> ParsedRequest:
@@ -341,7 +413,7 @@ def _parse_completion(body: dict[str, Any], limits: Limits, ignored: tuple[str, 
     logprobs = _get(body, "logprobs", "int")
     params = sampling_params(body, limits, max_tokens=max_tokens, logprobs=logprobs)
     return ParsedRequest(chat=False, params=params, prompt=text, prompt_token_ids=token_ids,
-                         ignored_fields=ignored, **common)
+                         ignored_fields=ignored, constraint=constraint(body), **common)
 
 
 def parse_chat(body: Any, limits: Limits) -> ParsedRequest:
@@ -358,7 +430,7 @@ def _parse_chat(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) 
         raise invalid("missing required field 'messages'", "messages")
     messages = parse_messages(body["messages"], limits)
     common = _common(body, limits)
-    _response_format(body)
+    held_to = constraint(body)
     want = _get(body, "logprobs", "bool")
     top = _get(body, "top_logprobs", "int")
     if top is not None and not want:
@@ -368,7 +440,8 @@ def _parse_chat(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) 
     # No max_tokens: the rest of the context, as vLLM does (None, resolved once the prompt is tokenized).
     max_tokens = _max_tokens(body, "max_completion_tokens", limits) or _max_tokens(body, "max_tokens", limits)
     params = sampling_params(body, limits, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
-    return ParsedRequest(chat=True, params=params, messages=messages, ignored_fields=ignored, **common)
+    return ParsedRequest(chat=True, params=params, messages=messages, ignored_fields=ignored, constraint=held_to,
+                         **common)
 
 
 def parse_client(prompt: str | None, prompt_token_ids: list[int] | None,
@@ -384,12 +457,13 @@ def parse_client(prompt: str | None, prompt_token_ids: list[int] | None,
     if max_tokens is None and messages is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS  # as the two endpoints: a chat gets the rest of the context
     sp = sampling_params(params, limits, max_tokens=max_tokens, logprobs=_get(params, "logprobs", "int"))
+    held_to = constraint(params)
     if messages is not None:
         return ParsedRequest(chat=True, params=sp, messages=parse_messages(messages, limits),
-                             service_class=service_class, ignored_fields=ignored)
+                             service_class=service_class, ignored_fields=ignored, constraint=held_to)
     text, ids = parse_prompt(prompt if prompt is not None else prompt_token_ids, limits, sp.max_tokens)
     return ParsedRequest(chat=False, params=sp, prompt=text, prompt_token_ids=ids,
-                         service_class=service_class, ignored_fields=ignored)
+                         service_class=service_class, ignored_fields=ignored, constraint=held_to)
 
 
 __all__ = ["ApiError", "Limits", "ParsedRequest", "parse_chat", "parse_client", "parse_completion"]

@@ -16,6 +16,13 @@ All arrays are C-contiguous, one segment each, named ``stride-<launch>-<field>``
 | logprobs       | float32 | (S,)    | rank 0    | scheduler | its log-probability                                  |
 | top_ids        | int32   | (S, K)  | rank 0    | scheduler | top-K alternatives (when a request asks)             |
 | top_logprobs   | float32 | (S, K)  | rank 0    | scheduler | their log-probabilities                              |
+| token_bitmask  | int32   | (S, W)  | scheduler | rank 0    | row i: the tokens the i-th sequence may sample, one  |
+|                |         |         |           |           | bit each (constrained rows only; :class:`MaskBuffer`)|
+
+``W`` = ceil(vocab / 32). The bitmask is its own segment, made once the vocabulary is known (rank 0 reports it):
+the launcher creates it after the ranks are ready. Its rows are written for the step in flight after its
+descriptor was sent, while the forward runs; :class:`~stride.ipc.messages.MasksReady` tells rank 0 they are there
+before it samples (:mod:`stride.grammar.matchers`).
 
 Only the first ``num_seqs`` rows / ``num_tokens`` entries named by the step's :class:`StepDescriptor` are
 meaningful. Reuse rule: the loop is synchronous, so the scheduler writes step ``k+1`` only after rank 0's
@@ -62,6 +69,33 @@ class StepLayout:
             "top_ids": ((s, k), np.int32),
             "top_logprobs": ((s, k), np.float32),
         }
+
+
+MASK_FIELD = "token_bitmask"
+
+
+class MaskBuffer:
+    """The token-bitmask segment ``(max_num_seqs, ceil(vocab / 32))`` int32: a bit per token, set where allowed."""
+
+    def __init__(self, array: SharedArray) -> None:
+        self._array = array
+        self.bitmask = array.array
+
+    @staticmethod
+    def shape(max_num_seqs: int, vocab_size: int) -> tuple[int, int]:
+        return (max_num_seqs, max(1, -(-vocab_size // 32)))
+
+    @classmethod
+    def create(cls, ipc: IpcConfig, max_num_seqs: int, vocab_size: int) -> MaskBuffer:
+        return cls(SharedArray.create(ipc.shm_name(MASK_FIELD), cls.shape(max_num_seqs, vocab_size), np.int32,
+                                      fill=-1))
+
+    @classmethod
+    def attach(cls, ipc: IpcConfig, max_num_seqs: int, vocab_size: int) -> MaskBuffer:
+        return cls(SharedArray.attach(ipc.shm_name(MASK_FIELD), cls.shape(max_num_seqs, vocab_size), np.int32))
+
+    def close(self) -> None:
+        self._array.close()
 
 
 class StepBuffers:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stride.ipc.codec import Decoder, Message
-from stride.params import SamplingParams
+from stride.params import Constraint, SamplingParams
 
 # ---------------------------------------------------------------- to the tokenizer pool
 
@@ -30,6 +30,8 @@ class GenerateRequest(Message):
     messages: list[dict[str, Any]] | None = None
     service_class: str | None = None
     add_generation_prompt: bool = True
+    constraint: Constraint | None = None
+    """What the output must match (structured outputs); compiled by the tokenizer into ``grammar``."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class TokenizedRequest(Message):
     params: SamplingParams
     tokenizer_index: int
     service_class: str | None = None
+    grammar: str | None = None
+    """The llguidance grammar its output is held to (compiled and checked by the tokenizer), or None."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,17 @@ class StepDescriptor(Message):
     new_seqs: list[NewSequence] = field(default_factory=list)
     finished_slots: list[int] = field(default_factory=list)
     """Slots whose sequences ended since the last step (the worker drops their sampler state)."""
+    masked_rows: list[int] = field(default_factory=list)
+    """Rows (indices into this step's sequences) that sample under a token bitmask (structured outputs). Their
+    masks are written after this descriptor is sent; rank 0 waits for :class:`MasksReady` before sampling."""
+
+
+@dataclass(frozen=True)
+class MasksReady(Message):
+    """Scheduler → rank 0: the bitmask rows of step ``step``'s ``masked_rows`` are written."""
+
+    TAG = "masks_ready"
+    step: int
 
 
 @dataclass(frozen=True)
@@ -158,7 +173,7 @@ class Shutdown(Message):
     reason: str = ""
 
 
-TO_WORKER = (StepDescriptor, Shutdown)
+TO_WORKER = (StepDescriptor, MasksReady, Shutdown)
 
 # ---------------------------------------------------------------- to the frontend
 

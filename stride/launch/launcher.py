@@ -36,7 +36,7 @@ import zmq
 from stride import env
 from stride.config import CacheConfig, IpcConfig, LaunchFacts, SchedulerConfig, ServerConfig, StrideConfig, WorkerConfig
 from stride.ipc import messages as m
-from stride.ipc.layouts import StepBuffers, StepLayout
+from stride.ipc.layouts import MaskBuffer, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.ipc.rundir import make_ipc_config, remove_run_dir, sweep_stale_launches, write_owner
 from stride.ipc.shm import remove_launch_segments
@@ -65,6 +65,7 @@ class Launch:
         self.ctx = zmq.Context()
         self.control: PullQueue[m.Message] = PullQueue(self.ctx, config.ipc.control_address(), m.TO_LAUNCHER)
         self.buffers = StepBuffers.create(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
+        self.masks: MaskBuffer | None = None
         self.procs: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
         self._lifelines: list[IO[bytes]] = []  # each child's stdin: closed only when the launch is over
         self.ready: dict[tuple[str, int], m.ProcessReady] = {}
@@ -146,6 +147,8 @@ class Launch:
                             eos_token_ids=tuple(self.ready[("tokenizer", 0)].eos_token_ids))
         self.config = cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_blocks=num_blocks),
                                                 facts=facts)
+        # The structured-output bitmask needs the vocabulary, which rank 0 just reported.
+        self.masks = MaskBuffer.create(cfg.ipc, cfg.scheduler.max_num_seqs, facts.vocab_size)
         self._spawn("scheduler", 0, cfg)
         self._await_ready({("scheduler", 0)}, "the scheduler")
         self._spawn("frontend", 0, cfg)
@@ -233,6 +236,8 @@ class Launch:
         self.control.close()
         self.ctx.destroy(linger=0)
         self.buffers.close()
+        if self.masks is not None:
+            self.masks.close()
         left = remove_launch_segments(self.config.ipc.shm_prefix)
         if left:
             log.warning("removed shared-memory segments a process left behind: %s", left)

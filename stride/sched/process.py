@@ -21,13 +21,15 @@ import numpy as np
 import zmq
 
 from stride.config import StrideConfig
+from stride.grammar.matchers import GrammarMatchers, MatcherError
 from stride.ipc import messages as m
-from stride.ipc.layouts import StepBuffers, StepLayout
+from stride.ipc.layouts import MaskBuffer, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.sched.plan import StepPlan
 from stride.sched.scheduler import Scheduler
 from stride.sched.stats import StepTimeline
 from stride.sched.trace import TraceWriter
+from stride.tokenizer.loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,16 @@ class SchedulerLoop:
     """Message handling around :class:`Scheduler`; the socket loop is :func:`run`."""
 
     def __init__(self, config: StrideConfig, buffers: StepBuffers, eos_token_ids: list[int],
-                 trace: TraceWriter | None = None) -> None:
+                 trace: TraceWriter | None = None, grammar: GrammarMatchers | None = None,
+                 bitmask: np.ndarray | None = None) -> None:
+        """``grammar`` and ``bitmask`` (the token-bitmask segment's array): structured outputs; without them a
+        request with a grammar is refused."""
         self.config = config
         self.buffers = buffers
+        self.grammar = grammar
+        self.bitmask = bitmask
+        self._masked: list[tuple[str, int]] = []
+        """(req_id, row) of the step in flight's rows that sample under a mask."""
         self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
         # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
         self.routes: dict[str, tuple[int, int | None]] = {}
@@ -53,6 +62,9 @@ class SchedulerLoop:
         self.timeline = StepTimeline()
 
     def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
+        if req.grammar is not None and (self.grammar is None or self.bitmask is None):
+            return m.RequestFailed(req.req_id, 400, "structured outputs are not available on this server (no "
+                                   "tokenizer for its matchers)", "invalid_constraint")
         try:
             refusal = self.core.add_request(req.req_id, req.tenant, req.prompt_token_ids, req.params,
                                             req.service_class, now)
@@ -64,12 +76,20 @@ class SchedulerLoop:
             return m.RequestFailed(req.req_id, 500, f"internal error: {type(e).__name__}", "internal_error")
         if refusal is not None:
             return m.RequestFailed(req.req_id, refusal.status, refusal.message, refusal.reason)
+        if req.grammar is not None and self.grammar is not None:
+            try:
+                self.grammar.add(req.req_id, req.grammar)
+            except MatcherError as e:
+                self.core.abort(req.req_id, now)
+                return m.RequestFailed(req.req_id, 400, str(e), "invalid_constraint")
         self.routes[req.req_id] = (req.tokenizer_index, req.params.logprobs)
         return None
 
     def on_abort(self, req_id: str, now: float) -> None:
         self.core.abort(req_id, now)
         self.routes.pop(req_id, None)
+        if self.grammar is not None:
+            self.grammar.drop(req_id)
 
     def next_step(self, now: float) -> m.StepDescriptor | None:
         if self.inflight is not None or not self.core.has_work():
@@ -78,7 +98,24 @@ class SchedulerLoop:
         if plan.num_seqs == 0:
             return None
         self.inflight = plan
-        return plan.descriptor()
+        desc = plan.descriptor()
+        self._masked = []
+        if self.grammar is not None and len(self.grammar):
+            g = self.grammar
+            self._masked = [(rid, i) for i, (rid, samples) in enumerate(zip(plan.req_ids, plan.sample_flags.tolist(),
+                                                                             strict=True)) if samples and rid in g]
+            if self._masked:
+                desc = replace(desc, masked_rows=[i for _, i in self._masked])
+        return desc
+
+    def fill_masks(self) -> m.MasksReady | None:
+        """Write the bitmask rows of the step just sent (called after its descriptor went out, so this runs while
+        the forward does); the message that tells rank 0 they are there, or None if the step has none."""
+        if not self._masked or self.inflight is None:
+            return None
+        assert self.grammar is not None and self.bitmask is not None
+        self.grammar.fill(self._masked, self.bitmask)
+        return m.MasksReady(self.inflight.step)
 
     def on_step_done(self, done: m.StepDone, now: float) -> dict[int, list[m.TokenOutput]]:
         """The step's outputs grouped by owning tokenizer. A sequence the worker failed alone ends with an
@@ -91,14 +128,20 @@ class SchedulerLoop:
         for failure in done.failed:
             log.error("rank 0 failed request %s: %s", failure.req_id, failure.error)
             self.core.abort(failure.req_id, now)
+            if self.grammar is not None:
+                self.grammar.drop(failure.req_id)
             failed_route = self.routes.pop(failure.req_id, None)
             if failed_route is not None:
                 by_owner[failed_route[0]].append(m.TokenOutput(failure.req_id, [], "error",
                                                                error=f"worker error: {failure.error}"))
         n = plan.num_seqs
         sampled = np.array(self.buffers.sampled_ids[:n])
-        batch = self.core.update(plan, sampled, now)
+        stop_rows = self._advance_matchers(sampled, by_owner, now)
+        batch = self.core.update(plan, sampled, now, stop_rows)
         finished = batch.finished
+        if self.grammar is not None:
+            for req_id in finished:
+                self.grammar.drop(req_id)
         # Columns of the batch, walked once; every row has exactly one token.
         for req_id, row, tok, num_prompt, num_cached in zip(
                 batch.req_ids, batch.rows.tolist(), batch.token_ids.tolist(), batch.num_prompt_tokens.tolist(),
@@ -119,6 +162,29 @@ class SchedulerLoop:
                 del self.routes[req_id]
         return by_owner
 
+    def _advance_matchers(self, sampled: np.ndarray, by_owner: dict[int, list[m.TokenOutput]],
+                          now: float) -> list[int]:
+        """Give each constrained row's matcher its sampled token; the rows whose grammar is now complete. A matcher
+        that refuses its token (it cannot: the token was drawn under its mask) fails that request alone."""
+        stop_rows: list[int] = []
+        if self.grammar is None:
+            return stop_rows
+        for req_id, row in self._masked:
+            tok = int(sampled[row])
+            if tok < 0 or req_id not in self.grammar:  # failed alone, or aborted while in flight
+                continue
+            try:
+                if self.grammar.consume(req_id, tok):
+                    stop_rows.append(row)
+            except MatcherError as e:
+                log.error("request %s: %s", req_id, e)
+                route = self.routes.get(req_id)
+                self.on_abort(req_id, now)
+                if route is not None:
+                    by_owner[route[0]].append(m.TokenOutput(req_id, [], "error", error=str(e)))
+        self._masked = []
+        return stop_rows
+
     def fail_all(self, message: str) -> dict[int, list[m.TokenOutput]]:
         """Every request ends with an error (the worker failed)."""
         by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
@@ -134,16 +200,34 @@ class SchedulerLoop:
                        graph_steps=t.graph_steps, graph_step_device_s=t.graph_device_s)
 
 
+def _grammar_matchers(config: StrideConfig) -> GrammarMatchers | None:
+    """The structured-output matchers over the model's tokenizer; None (constrained requests refused) where the
+    model has no tokenizer of its own (a simulated backend's planner preset) or its vocabulary is not known."""
+    if not config.facts.vocab_size:
+        return None
+    try:
+        tok = load_tokenizer(config.worker.model)
+    except Exception as e:  # no tokenizer files: the server runs, structured outputs are refused
+        log.warning("structured outputs off: no tokenizer for %s (%s)", config.worker.model, e)
+        return None
+    return GrammarMatchers(tok.tokenizer.to_str(), config.facts.vocab_size, tok.eos_token_ids)
+
+
 def run(config: StrideConfig) -> int:
     """Process entry point. The launcher created the step buffers; this process attaches them."""
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
     buffers = None
+    masks: MaskBuffer | None = None
     trace = None
     try:
         buffers = StepBuffers.attach(config.ipc, StepLayout.from_config(config.scheduler, config.cache))
         trace = TraceWriter(config.scheduler.trace_path) if config.scheduler.trace_path else None
-        loop = SchedulerLoop(config, buffers, list(config.facts.eos_token_ids), trace)
+        grammar = _grammar_matchers(config)
+        if grammar is not None:
+            masks = MaskBuffer.attach(config.ipc, config.scheduler.max_num_seqs, config.facts.vocab_size)
+        loop = SchedulerLoop(config, buffers, list(config.facts.eos_token_ids), trace, grammar,
+                             masks.bitmask if masks is not None else None)
         inbox: PullQueue[m.Message] = PullQueue(ctx, config.ipc.scheduler_address(),
                                                 m.TO_SCHEDULER + (m.Shutdown,))
         to_worker: PushQueue[m.Message] = PushQueue(ctx, config.ipc.worker_address())
@@ -192,6 +276,9 @@ def run(config: StrideConfig) -> int:
                 # Stamped before the send: rank 0 may take the descriptor before put returns here.
                 loop.timeline.sent(time.perf_counter())
                 to_worker.put(desc)
+                ready = loop.fill_masks()  # while the forward runs
+                if ready is not None:
+                    to_worker.put(ready)
             elif loop.inflight is None:
                 loop.timeline.idle()
             if now - last_stats >= STATS_INTERVAL_S:
@@ -208,4 +295,6 @@ def run(config: StrideConfig) -> int:
             trace.close()
         if buffers is not None:
             buffers.close()
+        if masks is not None:
+            masks.close()
         ctx.destroy(linger=200)

@@ -80,7 +80,7 @@ def replay_records(records: list[dict[str, Any]]) -> ReplayResult:
             if plan is None or plan.step != rec["step"]:
                 what = f"update for step {rec['step']} without its schedule record"
                 return ReplayResult(i, num_steps, what, rec["step"], i)
-            sched.update(plan, np.array(rec["sampled"], dtype=np.int32), now)
+            sched.update(plan, np.array(rec["sampled"], dtype=np.int32), now, rec.get("stop_rows", ()))
             plan = None
         else:
             raise ValueError(f"record {i}: unknown kind {kind!r}")

@@ -188,11 +188,13 @@ class Scheduler:
             self._trace.write("schedule", now, step=plan.step, decisions=plan.decisions())
         return plan
 
-    def update(self, plan: StepPlan, sampled_ids: np.ndarray, now: float) -> UpdateBatch:
+    def update(self, plan: StepPlan, sampled_ids: np.ndarray, now: float,
+               stop_rows: Sequence[int] = ()) -> UpdateBatch:
         """Apply step ``plan``'s sampled tokens (row ``i`` of ``sampled_ids`` belongs to row ``i`` of the
         plan; rows that do not sample are ignored). Appends tokens, ends requests on max_tokens /
-        max_model_len (``length``) or EOS / a stop token (``stop``), frees what finished. Returns the
-        step's news in columns (iterate it for one :class:`Update` per request)."""
+        max_model_len (``length``) or EOS / a stop token (``stop``), frees what finished. ``stop_rows``: plan rows
+        whose token completed their output's grammar (structured outputs): they end with ``stop`` too. Returns
+        the step's news in columns (iterate it for one :class:`Update` per request)."""
         if plan.num_seqs == 0:
             return UpdateBatch.empty()
         if plan is not self._inflight:
@@ -204,8 +206,9 @@ class Scheduler:
         self.slots.in_step[slots] = False
         sampled = np.asarray(sampled_ids[:n], dtype=np.int64)
         if self._trace is not None:
+            extra = {"stop_rows": [int(r) for r in stop_rows]} if len(stop_rows) else {}
             self._trace.write("update", now, step=plan.step,
-                              sampled=np.where(plan.sample_flags, sampled, -1).tolist())
+                              sampled=np.where(plan.sample_flags, sampled, -1).tolist(), **extra)
         rows = np.flatnonzero(plan.sample_flags & ~self.slots.aborted[slots])  # no token for an aborted one
         s_slots = slots[rows]
         toks = sampled[rows]
@@ -220,6 +223,8 @@ class Scheduler:
         if len(self._eos):
             verdict[np.isin(toks, self._eos) & self.slots.stop_on_eos[s_slots]] = 1
         verdict[self.slots.has_stop_ids[s_slots] & (verdict != 1)] = -1
+        if len(stop_rows):
+            verdict[np.isin(rows, np.asarray(stop_rows, dtype=np.int64))] = 1
 
         # The Request objects stay exact. One lean loop of attribute writes (no branch, no object made per
         # row; everything else is vectorised above or limited to the few rows that need it below).

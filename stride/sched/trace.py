@@ -7,7 +7,8 @@ Records, in call order, each with ``kind`` and the logical time ``now`` where it
 - ``add``: ``req_id, tenant, prompt, params, service_class, rejected`` (None or the reason);
 - ``abort``: ``req_id``;
 - ``schedule``: ``step`` and ``decisions`` (:meth:`StepPlan.decisions`);
-- ``update``: ``step`` and ``sampled`` (the step's sampled ids, -1 where a row did not sample).
+- ``update``: ``step`` and ``sampled`` (the step's sampled ids, -1 where a row did not sample); ``stop_rows``
+  where some rows ended because their output's grammar was complete.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from stride.config import StrideConfig
+from stride.grammar.compile import GrammarCompiler
 from stride.ipc import messages as m
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.params import CONTEXT_LENGTH_EXCEEDED, context_overflow
@@ -51,6 +52,7 @@ class TokenizerWorker:
         self.token_bytes = token_bytes_table(tokenizer.tokenizer)
         self._token_text = [b.decode("utf-8", errors="replace") for b in self.token_bytes]
         self.pending: dict[str, _Pending] = {}
+        self.grammars = GrammarCompiler()
 
     # -------------------------------------------------------------- in
 
@@ -69,8 +71,14 @@ class TokenizerWorker:
         why = context_overflow(len(ids), req.params.max_tokens, self.config.scheduler.max_model_len)
         if why is not None:
             return m.RequestFailed(req.req_id, 400, why, CONTEXT_LENGTH_EXCEEDED)
+        grammar = None
+        if req.constraint is not None:
+            try:
+                grammar = self.grammars.compile(req.constraint)
+            except ValueError as e:
+                return m.RequestFailed(req.req_id, 400, str(e), "invalid_constraint")
         self.pending[req.req_id] = _Pending(OutputText.create(self.token_bytes, req.params.stop), req.params)
-        return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class)
+        return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class, grammar)
 
     def _prompt_ids(self, req: m.GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:

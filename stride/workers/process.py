@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import zmq
 
 from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig
 from stride.ipc import messages as m
-from stride.ipc.layouts import MAX_TOP_LOGPROBS, StepBuffers, StepLayout
+from stride.ipc.layouts import MAX_TOP_LOGPROBS, MaskBuffer, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,11 @@ class ModelStepper:
         """Whether the last step replayed a decode graph."""
         return self.runner.last_step_graphed
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
-        """Run one step; returns the sequences that failed alone (their rows sample nothing)."""
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers,
+            masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
+        """Run one step; returns the sequences that failed alone (their rows sample nothing). ``masks(step)``:
+        waits until the scheduler wrote the step's bitmask rows (structured outputs) and returns the bitmask
+        array; called, after the forward is launched, only for a step with ``masked_rows``."""
         if not self.samples:
             self.runner.step(buf, desc.num_tokens, desc.num_seqs)
             return []
@@ -111,8 +115,11 @@ class ModelStepper:
         if len(rows) == 0:
             return list(failed.values())
         slots = buf.seq_slots[:n][rows].tolist()
+        allowed = None
+        if desc.masked_rows and masks is not None:
+            allowed = self._allowed(desc, rows, masks(desc.step))
         # Every row samples in a decode step: no gather (an index from the host would wait for the forward).
-        res = self.sampler.sample(logits if len(rows) == n else logits[rows], slots)
+        res = self.sampler.sample(logits if len(rows) == n else logits[rows], slots, allowed=allowed)
         buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
         if res.logprobs is not None:
             buf.logprobs[rows] = res.logprobs.cpu().numpy()
@@ -121,6 +128,18 @@ class ModelStepper:
             buf.top_ids[rows, :k] = res.top_ids[:, :k].cpu().numpy()
             buf.top_logprobs[rows, :k] = res.top_logprobs[:, :k].cpu().numpy()
         return list(failed.values())
+
+    def _allowed(self, desc: m.StepDescriptor, rows: np.ndarray, bitmask: np.ndarray) -> tuple[Any, Any]:
+        """(positions among the sampled ``rows``, their bitmask rows on the device) of the masked rows that still
+        sample (a row whose sequence failed alone does not)."""
+        import torch
+
+        masked = np.asarray(desc.masked_rows, dtype=np.int64)
+        pos = np.searchsorted(rows, masked)
+        keep = (pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == masked)
+        device = self.runner.device
+        bits = torch.from_numpy(np.ascontiguousarray(bitmask[masked[keep]])).to(device)
+        return torch.as_tensor(pos[keep], device=device), bits
 
     def _join(self, slot: int, req_id: str, failed: dict[int, m.SequenceFailure], params: Any,
               prompt: Any, output: Any = ()) -> None:
@@ -167,10 +186,21 @@ class SimStepper:
 
     graphed = False
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers) -> list[m.SequenceFailure]:
+    def run(self, desc: m.StepDescriptor, buf: StepBuffers,
+            masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
+        if desc.masked_rows and masks is not None:  # a masked row takes its lowest allowed id instead
+            bitmask = masks(desc.step)
+            for row in desc.masked_rows:
+                bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")[: self.vocab_size]
+                if not bits[buf.sampled_ids[row]]:
+                    buf.sampled_ids[row] = int(np.argmax(bits))
         time.sleep(seconds)  # the modelled step takes its time, so the stack sees realistic latencies
         return []
+
+
+class _Stopped(Exception):
+    """Shutdown arrived while a step waited for its masks."""
 
 
 class _StepTimer:
@@ -222,6 +252,7 @@ def run(config: StrideConfig, rank: int = 0) -> int:
     ctx = zmq.Context()
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
     buf = None
+    masks: MaskBuffer | None = None
     beating = threading.Event()
     try:
         def progress(message: str, fraction: float) -> None:
@@ -243,9 +274,24 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         control.put(m.ProcessReady("worker", rank, num_blocks=stepper.num_blocks, vocab_size=stepper.vocab_size))
         layout = StepLayout.from_config(config.scheduler, config.cache)
         timer = _StepTimer(isinstance(stepper, ModelStepper) and stepper.device_type == "cuda")
+
+        def masks_of(step: int) -> np.ndarray:
+            """Wait for the scheduler's word that step ``step``'s bitmask rows are written; the bitmask."""
+            nonlocal masks
+            if masks is None:  # the launcher made it once the vocabulary was known
+                masks = MaskBuffer.attach(config.ipc, config.scheduler.max_num_seqs, stepper.vocab_size)
+            while True:
+                got = inbox.get()
+                if isinstance(got, m.MasksReady) and got.step == step:
+                    return masks.bitmask
+                if isinstance(got, m.Shutdown):
+                    raise _Stopped
+                if got is not None:
+                    log.warning("rank 0 waiting for the masks of step %d got %s", step, type(got).__name__)
+
         while True:
             msg = inbox.get()
-            if msg is None:
+            if msg is None or isinstance(msg, m.MasksReady):  # (masks are taken inside their step)
                 continue
             taken = time.perf_counter()
             for peer in peers:  # every rank runs the same step; the collectives keep them in lockstep
@@ -257,7 +303,9 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                 buf = StepBuffers.attach(config.ipc, layout)
             try:
                 with timer:
-                    failed = stepper.run(msg, buf)
+                    failed = stepper.run(msg, buf, masks_of)
+            except _Stopped:
+                return 0
             except Exception as e:  # the scheduler fails the requests and the launcher shuts down
                 log.exception("step %d failed", msg.step)
                 if rank == 0:
@@ -274,4 +322,6 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         beating.set()
         if buf is not None:
             buf.close()
+        if masks is not None:
+            masks.close()
         ctx.destroy(linger=200)

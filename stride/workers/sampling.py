@@ -37,6 +37,16 @@ _TEMP, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _NUM_LOGPROBS
 _NUM_COLS = 8
 
 
+def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``x`` (float, [n, vocab]) with every token not allowed by ``bitmask[j]`` at ``-inf`` in row ``rows[j]``; a
+    new tensor, ``x`` untouched. ``bitmask``: int32 [len(rows), >= vocab / 32], bit ``t % 32`` of word ``t // 32``
+    set where token ``t`` is allowed (llguidance's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    bits = (bitmask.to(device=x.device, dtype=torch.int32).unsqueeze(-1) >> shifts) & 1
+    ok = bits.reshape(bitmask.shape[0], -1)[:, : x.shape[1]].bool()
+    return x.index_put((rows,), x[rows].masked_fill(~ok, float("-inf")))
+
+
 @dataclass(frozen=True)
 class SampleResult:
     """One sampled token per row, on the sampler's device.
@@ -182,8 +192,12 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
 
     def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor, *,
-               record: bool = True) -> SampleResult:
+               record: bool = True, allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleResult:
         """Sample one token per row of ``logits`` [num_seqs, vocab]; row ``i`` belongs to ``slots[i]``.
+
+        ``allowed``: (rows, bitmask) for rows held to a grammar (structured outputs): row ``rows[j]`` may take
+        only the tokens whose bit is set in ``bitmask[j]`` (int32 words, bit ``t % 32`` of word ``t // 32``),
+        after its logit bias and penalties and before temperature, top-k/p and greedy. Other rows are untouched.
 
         ``logits`` is not modified. A slot may appear in several rows only if it has no seed and no
         penalties (its rows are then independent draws, which the statistical tests use)."""
@@ -205,6 +219,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
         x = self._penalized(logits, slot_arr, slot_idx, cols)
+        if allowed is not None and len(allowed[0]):
+            x = apply_bitmask(x, *allowed)
 
         greedy = host[:, _TEMP] == 0.0
         if greedy.all():

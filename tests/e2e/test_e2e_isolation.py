@@ -309,6 +309,17 @@ _COMMON_FIELDS: dict[str, tuple[str, list[Any]]] = {
     "logit_bias": ("given", [5, "x", [], True, {"a": 1}, {"1": 101}, {"1": "a"}, {"1": True}, {"-1": 1},
                              {"49152": 1}, {str(i): 1 for i in range(1025)}]),
     "stream_options": ("str", [{"include_usage": True}]),
+    "response_format": ("given", [5, "text", {}, {"a": 1}, {"type": 5}, {"type": "xml"}, {"type": "json_schema"},
+                                  {"type": "json_schema", "json_schema": {}},
+                                  {"type": "json_schema", "json_schema": {"schema": 5}},
+                                  {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}},
+                                  {"type": "json_schema", "json_schema": {"schema": "{"}}]),
+    "guided_json": ("given", [5, "{", [1], {"type": "objekt"}, {"properties": 5}]),
+    "guided_regex": ("str", ["[a-", "("]),
+    "guided_choice": ("list", [[], [5], [""], [None]]),
+    "guided_grammar": ("str", ["start: foo", "start: (((", ""]),
+    "structured_outputs": ("given", [5, [], {"json": 5}, {"regex": "("}, {"regex": "a", "choice": ["a"]},
+                                     {"choice": []}]),
 }
 _COMPLETION_FIELDS: dict[str, tuple[str, list[Any]]] = {
     **_COMMON_FIELDS,
@@ -328,7 +339,6 @@ _CHAT_FIELDS: dict[str, tuple[str, list[Any]]] = {
                           [{"role": "user", "content": "x" * (MAX_PROMPT_CHARS + 1)}]]),
     "logprobs": ("bool", [5]),
     "max_completion_tokens": ("int", [0, CONTEXT]),
-    "response_format": ("str", [{"type": "json_object"}, {}, {"type": 5}, "text"]),
     "tools": ("list", [[{"type": "function"}]]),
     "tool_choice": ("bool", ["auto"]),
 }

@@ -10,7 +10,7 @@ import pytest
 
 from stride.ipc import messages as m
 from stride.ipc.codec import DecodeError, Decoder, encode
-from stride.params import SamplingParams
+from stride.params import Constraint, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, stop=("\n\n", "END"), seed=11, logprobs=2)
 
@@ -21,10 +21,13 @@ EXAMPLES: list[m.Message] = [
     m.StepOutputs([m.TokenOutput("r1", [5, 6], "length", 3, 0, [-0.5, -1.0], [[[5, -0.5]], [[6, -1.0]]])]),
     m.ReleaseRequest("r1"),
     m.TokenizedRequest("r1", "acme", [1, 2, 3], PARAMS, tokenizer_index=1, service_class="interactive"),
+    m.TokenizedRequest("r4", "t", [1], PARAMS, tokenizer_index=0, grammar='start: "a"'),
     m.AbortRequest("r1", reason="stop"),
     m.StepDone(41),
     m.StepDone(42, error="boom"),
     m.StepDescriptor(3, 2, 17, [m.NewSequence(0, "r1", PARAMS, 16)], finished_slots=[4, 5]),
+    m.StepDescriptor(4, 2, 2, masked_rows=[1]),
+    m.MasksReady(4),
     m.Shutdown("bye"),
     m.TextDelta("r1", "héllo 🙂", [1, 2], "stop", 3, 1, 2, [{"token": "h", "logprob": -0.1}]),
     m.RequestFailed("r1", 429, "queue full", "queue_full"),
@@ -36,6 +39,7 @@ EXAMPLES: list[m.Message] = [
     m.ClientGenerate("c1", "key", prompt="hi", params={"max_tokens": 3, "stop": ["x"]}),
     m.ClientAbort("c1"),
     m.ClientOutput("c1", "hi", [1], "stop", 1, 0, 1, None, 200, None),
+    m.GenerateRequest("r4", "t", SamplingParams(), prompt="x", constraint=Constraint("regex", "[0-9]+")),
 ]
 
 

@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Stride against llama.cpp's ``llama-server`` on the same GGUF, same machine, same load: the CPU peer benchmark.
+
+Builds ``llama-server`` once for this CPU from the llama.cpp source that the ``llama-cpp-python`` sdist vendors
+(a pinned release from PyPI, the only registry a fresh machine reaches), with the flags ``../shared/FACTS.md`` found
+best on these machines: native detection off (its AMX path crashes here), AVX-512 with VNNI and BF16 on, AMX off.
+Then, one server at a time so they never share the cores, it starts each, runs the same ``stride bench`` load
+(streaming chat, temperature 0, ``--output-len`` tokens, ``--ignore-eos``) at every ``--concurrency``, stops it,
+and prints both with Stride's ratio per figure and the issue's targets (>= 0.5x llama.cpp's output tok/s at one
+client, >= 1.5x at 16, TTFT p99 at 16 below llama.cpp's).
+
+    .venv/bin/python scripts/bench_peer.py                     # the default model, 1 and 16 clients
+    .venv/bin/python scripts/bench_peer.py --stride-args "--dtype bfloat16" --concurrency 1,4,16
+
+The build takes about 8 minutes on 2 cores and lands in ``--build-dir`` (kept for later runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stride.client import bench  # noqa: E402
+from stride.model.files import default_model_path  # noqa: E402
+
+LLAMA_CPP_PYTHON = "0.3.36"
+"""The ``llama-cpp-python`` release whose vendored llama.cpp is built."""
+
+CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+               "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
+               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release")
+
+
+def build_llama_server(build_dir: Path, jobs: int) -> Path:
+    """``llama-server`` built in ``build_dir`` (nothing done if it is there already)."""
+    binary = build_dir / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    build_dir.mkdir(parents=True, exist_ok=True)
+    source = build_dir / "llama.cpp"
+    if not (source / "CMakeLists.txt").exists():
+        index = "https://pypi.org/pypi/llama-cpp-python/json"
+        with urllib.request.urlopen(index) as resp:
+            urls = json.load(resp)["releases"][LLAMA_CPP_PYTHON]
+        # A mirror may answer with links relative to the index.
+        sdist = urllib.parse.urljoin(index, next(u["url"] for u in urls if u["packagetype"] == "sdist"))
+        archive = build_dir / "llama_cpp_python.tar.gz"
+        print(f"downloading {sdist}", flush=True)
+        urllib.request.urlretrieve(sdist, archive)
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(source, members=[m for m in members if m.name], filter="data")
+        archive.unlink()
+    print(f"building llama-server in {build_dir} (about 8 minutes on 2 cores)", flush=True)
+    generator = ["-G", "Ninja"] if subprocess.run(["which", "ninja"], capture_output=True).returncode == 0 else []
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir / "build"), *generator, *CMAKE_FLAGS],
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build_dir / "build"), "--target", "llama-server", "-j", str(jobs)],
+                   check=True)
+    return binary
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_load(base_url: str, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    load = parser.parse_args(["--base-url", base_url, "--endpoint", "chat", "--input-len", str(args.input_len),
+                              "--output-len", str(args.output_len), "--ignore-eos", "--no-progress",
+                              "--max-concurrency", str(concurrency),
+                              "--num-requests", str(max(args.min_requests, args.rounds * concurrency))])
+    summary, _ = asyncio.run(bench.run_benchmark(load))
+    print(bench.format_summary(summary), flush=True)
+    return summary
+
+
+def serve_and_measure(name: str, command: list[str], base_url: str, args: argparse.Namespace,
+                      log_path: Path) -> dict[int, dict[str, Any]]:
+    print(f"\n=== {name}: {shlex.join(command)}", flush=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(base_url, proc, args.ready_timeout)
+        out = {}
+        for c in args.concurrency:
+            print(f"--- {name}, {c} concurrent", flush=True)
+            out[c] = run_load(base_url, args, c)
+        return out
+    finally:
+        stop(proc)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="GGUF file (default: Stride's default model)")
+    parser.add_argument("--build-dir", default=str(Path.home() / ".cache" / "stride" / "llama.cpp"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t")
+    parser.add_argument("--concurrency", default="1,16", help="client counts, comma separated")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt words")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="requests per client")
+    parser.add_argument("--min-requests", type=int, default=8)
+    parser.add_argument("--stride-args", default="", help="extra arguments to `stride serve`")
+    parser.add_argument("--llama-args", default="", help="extra arguments to llama-server")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--only", choices=("both", "stride", "llama.cpp"), default="both")
+    parser.add_argument("--out-json", default="")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    model = args.model or default_model_path()
+    base_url = f"http://127.0.0.1:{args.port}"
+    build_dir = Path(args.build_dir)
+    slots = max(args.concurrency)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    if args.only in ("both", "llama.cpp"):
+        binary = build_llama_server(build_dir, args.threads)
+        ctx = slots * (args.input_len * 2 + args.output_len + 64)  # per-slot room: words, template, output
+        results["llama.cpp"] = serve_and_measure(
+            "llama.cpp", [str(binary), "-m", model, "-t", str(args.threads), "-np", str(slots), "-c", str(ctx),
+                          "--threads-http", str(slots + 4),  # its default pool drops connections past it
+                          "--port", str(args.port), *shlex.split(args.llama_args)],
+            base_url, args, build_dir / "llama-server.log")
+    if args.only in ("both", "stride"):
+        build_dir.mkdir(parents=True, exist_ok=True)
+        results["stride"] = serve_and_measure(
+            "stride", [sys.executable, "-m", "stride", "serve", "--model", model, "--port", str(args.port),
+                       *shlex.split(args.stride_args)],
+            base_url, args, build_dir / "stride-serve.log")
+    print("\n| clients | figure | llama.cpp | Stride | Stride / llama.cpp |\n| --- | --- | --- | --- | --- |")
+    for c in args.concurrency:
+        for label, get in (("output tok/s", lambda s: s["output_throughput"]),
+                           ("ITL p50 ms", lambda s: s["itl_ms"]["p50"]),
+                           ("TTFT p99 ms", lambda s: s["ttft_ms"]["p99"])):
+            vals = [get(results[k][c]) if k in results else float("nan") for k in ("llama.cpp", "stride")]
+            print(f"| {c} | {label} | {vals[0]:.1f} | {vals[1]:.1f} | {vals[1] / vals[0]:.2f} |")
+    if len(results) == 2:
+        for c, want in ((1, 0.5), (16, 1.5)):
+            if c in args.concurrency:
+                r = results["stride"][c]["output_throughput"] / results["llama.cpp"][c]["output_throughput"]
+                print(f"target at {c} client(s): >= {want}x llama.cpp's tok/s: {r:.2f}x "
+                      f"({'met' if r >= want else 'not met'})")
+        if 16 in args.concurrency:
+            a, b = (results[k][16]["ttft_ms"]["p99"] for k in ("stride", "llama.cpp"))
+            print(f"target: TTFT p99 at 16 below llama.cpp's: {a:.0f} ms vs {b:.0f} ms "
+                  f"({'met' if a < b else 'not met'})")
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
