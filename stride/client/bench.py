@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput-tpot-ms", type=float, default=math.inf,
                         help="TPOT target of a good request (ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/Stride extension)")
+    parser.add_argument("--json-schema", default="", metavar="PATH|object",
+                        help="hold every output to the JSON schema in PATH (response_format json_schema), or to any "
+                             "JSON object: structured outputs' cost against the same load without")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out-json", default="", help="write the summary and per-request results here")
@@ -118,7 +121,17 @@ def _request_body(args: argparse.Namespace, model: str, prompt: str, max_tokens:
         body["prompt"] = prompt
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.json_schema:
+        body["response_format"] = _response_format(args.json_schema)
     return body
+
+
+def _response_format(spec: str) -> dict[str, Any]:
+    """``--json-schema``: ``object`` for any JSON object, else a file holding a JSON schema."""
+    if spec == "object":
+        return {"type": "json_object"}
+    with open(spec) as f:
+        return {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.load(f)}}
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:

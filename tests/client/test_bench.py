@@ -243,3 +243,15 @@ def test_rate_sweep_runs_each_rate_and_tabulates(tmp_path: Path, capsys: pytest.
     table = capsys.readouterr().out.splitlines()
     assert table[-3].split()[:2] == ["rate", "(req/s)"] and table[-2].split()[0] == "50.0"
     assert bench.main(_args("--sweep-rates", "2,-1")) == 2
+
+
+def test_json_schema_option_sends_the_response_format(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for spec, want in ((str(tmp_path / "s.json"), {"type": "json_schema", "json_schema": {"name": "bench",
+                                                                                          "schema": schema}}),
+                       ("object", {"type": "json_object"}), ("", None)):
+        with FakeServer() as server:
+            asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "2", "--output-len",
+                                                  "2", "--json-schema", spec)))
+        assert [b.get("response_format") for b in server.bodies] == [want, want]
