@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stride.config import SchedulerConfig, StrideConfig
+from stride.frontend import tools as tools_mod
 from stride.frontend.errors import ApiError, from_value_error, invalid
 from stride.ipc.messages import GenerateRequest
 from stride.params import (
@@ -39,14 +40,15 @@ CONSTRAINT_FIELDS = {"response_format", "structured_outputs", "guided_json", "gu
 _COMMON = _SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"model", "max_tokens", "n", "stop", "stream", "stream_options",
                                                   "user", "service_class"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
 CLIENT_FIELDS = _SAMPLING_FIELDS | CONSTRAINT_FIELDS | {"max_tokens", "stop", "logprobs", "service_class"}
-UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call"}
+UNSUPPORTED_FIELDS = {"functions", "function_call"}
 """Fields that change what a client gets back, so ignoring them would answer a different question: refused with a
 400 naming them, where every other unknown field is ignored."""
 IGNORED_FIELDS_HEADER = "X-Stride-Ignored-Fields"
 """Names the request fields this server did not know and ignored (comma-separated), on any answer."""
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 _warned: set[str] = set()
 
 
@@ -107,6 +109,9 @@ class ParsedRequest:
     """Fields of the body this server does not know and ignored (named in a response header)."""
     constraint: Constraint | None = None
     """What every sequence's output must match (structured outputs)."""
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call (rendered into the prompt; its output parsed into ``tool_calls``); None when
+    the request has none or ``tool_choice`` is ``none``."""
 
     def sequences(self, req_id: str, tenant: str) -> list[GenerateRequest]:
         """The wire requests, one per sequence: ids ``<req_id>-i``, seeds ``seed + i`` when seeded."""
@@ -118,7 +123,7 @@ class ParsedRequest:
             out.append(GenerateRequest(req_id=f"{req_id}-{i}", tenant=tenant, params=params,
                                        prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                                        messages=self.messages, service_class=self.service_class,
-                                       constraint=self.constraint))
+                                       constraint=self.constraint, tools=self.tools))
         return out
 
 
@@ -140,6 +145,10 @@ def _get(body: dict[str, Any], name: str, kind: str) -> Any:
     return v
 
 
+_TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
+"""Chat only: refused on the other endpoints, where ignoring them would answer a different question."""
+
+
 def _check_fields(body: Any, allowed: set[str], *, strict: bool = False) -> tuple[str, ...]:
     """The fields of ``body`` outside ``allowed``, which are ignored (each logged once per process); those in
     :data:`UNSUPPORTED_FIELDS`, or any with ``strict``, are refused."""
@@ -147,7 +156,7 @@ def _check_fields(body: Any, allowed: set[str], *, strict: bool = False) -> tupl
         raise invalid("request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     for name in unknown:
-        if name in UNSUPPORTED_FIELDS:
+        if name in UNSUPPORTED_FIELDS or name in _TOOL_FIELDS:
             raise invalid(f"'{name}' is not supported", name)
         if strict:
             raise invalid(f"unrecognized parameter: {name}", name)
@@ -299,13 +308,44 @@ def parse_messages(messages: Any, limits: Limits) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise invalid(f"{param}.content must be a string or an array of text parts", f"{param}.content")
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - {"role", "content", "name"} - ({"tool_calls"} if role == "assistant" else set()) - (
+            {"tool_call_id"} if role == "tool" else set())
         if extra:
             raise invalid(f"{param}: unsupported field {sorted(extra)[0]!r}", param)
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise invalid(f"{param}.name must be a string", f"{param}.name")
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _history_calls(m["tool_calls"], f"{param}.tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"{param}.tool_call_id must be a string", f"{param}.tool_call_id")
+            msg["tool_call_id"] = call_id
+        out.append(msg)
     limits.check_chars(sum(len(m["content"]) for m in out))
+    return out
+
+
+def _history_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls``: each ``{id, type: function, function: {name, arguments}}``,
+    the arguments JSON text of an object (kept as the object, which chat templates render)."""
+    if not isinstance(calls, list):
+        raise invalid(f"{param} must be an array", param)
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", "{}"), str):
+            raise invalid(f"{param}[{i}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                          f"\"arguments\"}}}}", f"{param}[{i}]")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            raise invalid(f"{param}[{i}].function.arguments is not valid JSON", f"{param}[{i}].function.arguments"
+                          ) from None
+        out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": fn["name"],
+                                                                                  "arguments": args}})
     return out
 
 
@@ -431,6 +471,18 @@ def _parse_chat(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) 
     messages = parse_messages(body["messages"], limits)
     common = _common(body, limits)
     held_to = constraint(body)
+    tools = tools_mod.parse_tools(body["tools"]) if body.get("tools") is not None else None
+    choice = tools_mod.parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = _get(body, "parallel_tool_calls", "bool")
+    if tools is not None and choice != "none":
+        forced = tools_mod.call_constraint(tools, choice, parallel is not False)
+        if forced is not None:
+            if held_to is not None:
+                raise invalid("tool_choice 'required' or a named function cannot be combined with response_format "
+                              "or another constraint", "tool_choice")
+            held_to = forced
+    else:
+        tools = None
     want = _get(body, "logprobs", "bool")
     top = _get(body, "top_logprobs", "int")
     if top is not None and not want:
@@ -441,7 +493,7 @@ def _parse_chat(body: dict[str, Any], limits: Limits, ignored: tuple[str, ...]) 
     max_tokens = _max_tokens(body, "max_completion_tokens", limits) or _max_tokens(body, "max_tokens", limits)
     params = sampling_params(body, limits, max_tokens=max_tokens, logprobs=(top or 0) if want else None)
     return ParsedRequest(chat=True, params=params, messages=messages, ignored_fields=ignored, constraint=held_to,
-                         **common)
+                         tools=tools, **common)
 
 
 def parse_client(prompt: str | None, prompt_token_ids: list[int] | None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stride.frontend.tools import parse_output
+
 
 @dataclass
 class Choice:
@@ -69,26 +71,42 @@ def completion_body(req_id: str, created: int, model: str, choices: list[Choice]
 
 
 def chat_body(req_id: str, created: int, model: str, choices: list[Choice],
-              want_logprobs: bool) -> dict[str, Any]:
-    return {"id": req_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-                         "finish_reason": finish_reason(c.finish_reason)} for c in choices],
+              want_logprobs: bool, tools: bool = False) -> dict[str, Any]:
+    """``tools``: the request offered tools, so each output is read for calls (``message.tool_calls``, finish reason
+    ``tool_calls`` when it stopped on its own with calls)."""
+    out = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = finish_reason(c.finish_reason)
+        if tools:
+            content, calls = parse_output(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.body() for call in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
+        out.append({"index": c.index, "message": message,
+                    "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None, "finish_reason": reason})
+    return {"id": req_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(choices)}
 
 
 def chunk(chat: bool, req_id: str, created: int, model: str, index: int, *, text: str | None,
           role: bool = False, logprobs: list[dict[str, Any]] | None = None, text_offset: int = 0,
-          finish: str | None = None, include_usage: bool = False) -> dict[str, Any]:
-    """One stream chunk for one choice. ``usage`` is null on every chunk but the last when asked for."""
+          finish: str | None = None, include_usage: bool = False,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One stream chunk for one choice. ``usage`` is null on every chunk but the last when asked for.
+    ``tool_calls``: calls completed in this chunk (chat), each with its ``index`` among the choice's calls; a
+    ``finish`` of ``tool_calls`` is passed through."""
     if chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                                  "finish_reason": finish_reason(finish)}
+                                  "finish_reason": "tool_calls" if finish == "tool_calls" else finish_reason(finish)}
         body: dict[str, Any] = {"id": req_id, "object": "chat.completion.chunk", "created": created,
                                 "model": model, "choices": [choice]}
     else:

@@ -15,6 +15,7 @@ from stride.frontend.backend import Backend, RequestStream
 from stride.frontend.errors import ApiError
 from stride.frontend.metrics import FrontendMetrics
 from stride.frontend.protocol import ParsedRequest
+from stride.frontend.tools import ToolCallStream
 from stride.ipc.messages import RequestFailed, TextDelta
 
 
@@ -109,8 +110,10 @@ class Generation:
         """Run to the end and build the non-streaming response body."""
         async for _ in self.deltas():
             pass
-        build = R.chat_body if self.req.chat else R.completion_body
-        return build(self.req_id, self.created, model, self.choices, self.req.params.logprobs is not None)
+        want_lp = self.req.params.logprobs is not None
+        if self.req.chat:
+            return R.chat_body(self.req_id, self.created, model, self.choices, want_lp, self.req.tools is not None)
+        return R.completion_body(self.req_id, self.created, model, self.choices, want_lp)
 
     async def stream(self, request: web.Request, model: str,
                      headers: dict[str, str] | None = None) -> web.StreamResponse:
@@ -123,6 +126,8 @@ class Generation:
         resp: web.StreamResponse | None = None
         offsets = [0] * self.req.n
         events: list[bytes] = []
+        # With tools, each choice's text goes through a call parser: content is sent as it is safe, calls whole.
+        parsers = [ToolCallStream() for _ in range(self.req.n)] if chat and self.req.tools is not None else None
         failed = False
         it = self.deltas()
         try:
@@ -134,7 +139,9 @@ class Generation:
                     if chat:
                         events += [_event(R.chunk(True, self.req_id, self.created, model, i, text="", role=True,
                                                   include_usage=inc)) for i in range(self.req.n)]
-                if d.text or d.token_ids or d.finish_reason is not None:
+                if parsers is not None:
+                    events += self._tool_events(parsers[index], model, index, d, want_lp)
+                elif d.text or d.token_ids or d.finish_reason is not None:
                     events.append(_event(R.chunk(chat, self.req_id, self.created, model, index,
                                                  text=d.text, logprobs=d.logprobs if want_lp else None,
                                                  text_offset=offsets[index], finish=d.finish_reason,
@@ -157,6 +164,25 @@ class Generation:
         await resp.write(b"".join(events))
         await resp.write_eof()
         return resp
+
+
+    def _tool_events(self, parser: ToolCallStream, model: str, index: int, d: TextDelta,
+                     want_lp: bool) -> list[bytes]:
+        """The chunks of one delta of a choice whose text is read for tool calls."""
+        text, calls = parser.feed(d.text)
+        finish = d.finish_reason
+        if finish is not None:
+            more_text, more_calls = parser.finish()
+            text, calls = text + more_text, calls + more_calls
+            if parser.calls and R.finish_reason(finish) == "stop":
+                finish = "tool_calls"
+        first = len(parser.calls) - len(calls)
+        bodies = [call.body(first + i) for i, call in enumerate(calls)]
+        if not (text or bodies or d.token_ids or finish is not None):
+            return []
+        return [_event(R.chunk(True, self.req_id, self.created, model, index, text=text,
+                               logprobs=d.logprobs if want_lp else None, finish=finish,
+                               include_usage=self.req.include_usage, tool_calls=bodies or None))]
 
 
 def _event(body: dict[str, object]) -> bytes:

@@ -32,6 +32,8 @@ class GenerateRequest(Message):
     add_generation_prompt: bool = True
     constraint: Constraint | None = None
     """What the output must match (structured outputs); compiled by the tokenizer into ``grammar``."""
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call, rendered into the chat prompt (OpenAI's ``tools``, checked)."""
 
 
 @dataclass(frozen=True)

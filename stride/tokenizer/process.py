@@ -28,6 +28,7 @@ from stride.tokenizer.detokenizer import token_bytes, token_bytes_table
 from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.tokenizer.stop import OutputText
 from stride.tokenizer.template import ChatTemplate, TemplateError
+from stride.tokenizer.tool_prompt import plain_messages, renders_tools
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class TokenizerWorker:
         self.index = index
         self.tok = tokenizer
         self.template = ChatTemplate.for_model(tokenizer) if tokenizer.chat_template else None
+        self.renders_tools = renders_tools(tokenizer.chat_template or "")
         self.token_bytes = token_bytes_table(tokenizer.tokenizer)
         self._token_text = [b.decode("utf-8", errors="replace") for b in self.token_bytes]
         self.pending: dict[str, _Pending] = {}
@@ -86,7 +88,12 @@ class TokenizerWorker:
         if req.messages is not None:
             if self.template is None:
                 raise ValueError("this model has no chat template; use /v1/completions")
-            text = self.template.render(req.messages, add_generation_prompt=req.add_generation_prompt)
+            if self.renders_tools:
+                text = self.template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                            tools=req.tools)
+            else:
+                text = self.template.render(plain_messages(req.messages, req.tools),
+                                            add_generation_prompt=req.add_generation_prompt)
             return self.tok.encode(text, add_special_tokens=False)
         return self.tok.encode(req.prompt or "")
 

@@ -159,8 +159,8 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(server: LiveServer) ->
     code, headers, data = raw(server.url, "POST", CHAT, chat(max_tokens=1, response_format={"type": "text"},
                                                             stream=True, stream_options={"include_usage": True,
                                                                                          "later": 1},
-                                                            parallel_tool_calls=False))
-    assert code == 200 and headers["X-Stride-Ignored-Fields"] == "parallel_tool_calls", data
+                                                            store=False))
+    assert code == 200 and headers["X-Stride-Ignored-Fields"] == "store", data
     assert data.endswith(b"data: [DONE]\n\n")
     # A refusal still names what was ignored; a body with nothing unknown carries no such header.
     code, headers, _ = raw(server.url, "POST", C, comp(max_tokens=0, frobnicate=1))
