@@ -67,7 +67,11 @@ class FrontendMetrics:
         for metric in timeline.values():
             self.lbl(metric)  # exported as 0 from the start, so a reader's "before" exists before the first step
         # SchedulerStats field holding a running total → the counter it advances, and the total seen so far.
-        self._totals: dict[str, Counter] = {"num_preemptions": self.preemptions, **timeline}
+        self.grammars_built = counter("stride:grammars_built", "Structured-output grammars built into a matcher "
+                                      "by the scheduler (a grammar seen again is copied, not built).")
+        self.lbl(self.grammars_built)
+        self._totals: dict[str, Counter] = {"num_preemptions": self.preemptions, "grammars_built": self.grammars_built,
+                                            **timeline}
         self._seen = dict.fromkeys(self._totals, 0.0)
 
     def lbl(self, metric, **extra: str):  # type: ignore[no-untyped-def]

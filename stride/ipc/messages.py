@@ -230,6 +230,8 @@ class SchedulerStats(Message):
     graph_steps: int = 0
     """Of the steps, those whose forward replayed a decode graph, and their device seconds."""
     graph_step_device_s: float = 0.0
+    grammars_built: int = 0
+    """Structured outputs: grammars the scheduler built into a matcher (each distinct one once while it is kept)."""
 
 
 TO_FRONTEND = (TextDelta, RequestFailed, SchedulerStats)

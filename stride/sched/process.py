@@ -197,7 +197,8 @@ class SchedulerLoop:
         t = self.timeline
         return replace(self.core.metrics().to_message(), steps=t.steps, step_device_s=t.device_s,
                        step_worker_s=t.worker_s, step_round_trip_s=t.round_trip_s, step_gap_s=t.gap_s,
-                       graph_steps=t.graph_steps, graph_step_device_s=t.graph_device_s)
+                       graph_steps=t.graph_steps, graph_step_device_s=t.graph_device_s,
+                       grammars_built=self.grammar.built if self.grammar is not None else 0)
 
 
 def _grammar_matchers(config: StrideConfig) -> GrammarMatchers | None:

@@ -138,6 +138,31 @@ def test_free_requests_beside_constrained_ones_are_unchanged(server: StrideServe
     assert held == ["zebra"] * 3 != alone
 
 
+def test_a_schema_is_built_once_under_load(server: StrideServer, client: openai.OpenAI) -> None:
+    """Sixteen requests at once with one schema never seen before: the scheduler builds its matcher once (the
+    others copy it); a second new schema is built once more."""
+    import time
+
+    def built() -> float:
+        time.sleep(1.2)  # the scheduler's totals reach the frontend every half second
+        return server.metric("stride:grammars_built_total")
+
+    before = built()
+    for k in range(2):
+        schema = {"type": "object", "properties": {f"field_{k}": {"type": "integer"}}, "required": [f"field_{k}"]}
+
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+        def one(seed: int, fmt: dict[str, Any] = fmt) -> str:
+            return _chat(client, server.model, seed % 2 == 0, messages=BOOK, max_tokens=20, temperature=1.0, seed=seed,
+                         response_format=fmt)[0]
+
+        with ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(one, range(16)))
+        assert all(f"field_{k}" in o for o in outs), outs
+        assert built() - before == k + 1
+
+
 def test_bad_constraints_are_400_naming_the_problem(server: StrideServer, client: openai.OpenAI) -> None:
     bad = client.with_options(max_retries=0)
     for extra, words in (({"guided_regex": "[a-"}, "unclosed character class"),
