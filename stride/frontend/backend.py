@@ -31,6 +31,7 @@ from stride.ipc.messages import (
     SchedulerStats,
     Shutdown,
     TextDelta,
+    TextDeltas,
 )
 from stride.ipc.queues import AsyncPullQueue, AsyncPushQueue
 
@@ -78,7 +79,8 @@ class Backend:
         self._receiver: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self._handlers: dict[type, Callable[[Any], None]] = {
-            TextDelta: self._deliver, RequestFailed: self._on_failed, SchedulerStats: self._on_stats,
+            TextDelta: self._deliver, TextDeltas: self._deliver_all, RequestFailed: self._on_failed,
+            SchedulerStats: self._on_stats,
             Shutdown: self._on_shutdown}
 
     async def start(self) -> None:
@@ -183,6 +185,10 @@ class Backend:
         """Fail every sequence in flight (its stream gets a :class:`RequestFailed`)."""
         for seq_id in list(self._streams):
             self._deliver(RequestFailed(req_id=seq_id, status=status, message=message, code=code))
+
+    def _deliver_all(self, msg: TextDeltas) -> None:
+        for d in msg.deltas:
+            self._deliver(d)
 
     def _deliver(self, msg: TextDelta | RequestFailed) -> None:
         entry = self._streams.get(msg.req_id)

@@ -197,6 +197,15 @@ class TextDelta(Message):
 
 
 @dataclass(frozen=True)
+class TextDeltas(Message):
+    """Tokenizer → frontend: the deltas of one step's outputs, every request of this tokenizer's at once (one
+    message per step per tokenizer, not one per request)."""
+
+    TAG = "deltas"
+    deltas: list[TextDelta]
+
+
+@dataclass(frozen=True)
 class RequestFailed(Message):
     """Any process → frontend: a request cannot be served; ``status`` is the HTTP status to answer with."""
 
@@ -234,7 +243,7 @@ class SchedulerStats(Message):
     """Structured outputs: grammars the scheduler built into a matcher (each distinct one once while it is kept)."""
 
 
-TO_FRONTEND = (TextDelta, RequestFailed, SchedulerStats)
+TO_FRONTEND = (TextDelta, TextDeltas, RequestFailed, SchedulerStats)
 """A ``RequestFailed`` with code ``worker_dead`` also turns ``/health`` unhealthy; with an empty ``req_id``
 it fails every request in flight."""
 

@@ -194,8 +194,12 @@ def run(config: StrideConfig, index: int) -> int:
             deltas, aborts = worker.on_outputs(msg)
             for a in aborts:
                 to_sched.put(a)
+            texts = [d for d in deltas if isinstance(d, m.TextDelta)]
             for d in deltas:
-                to_front.put(d)
+                if not isinstance(d, m.TextDelta):
+                    to_front.put(d)
+            if texts:  # the step's text, one message for all of this tokenizer's requests
+                to_front.put(texts[0] if len(texts) == 1 else m.TextDeltas(texts))
 
         handlers: dict[type, Callable[[Any], None]] = {
             m.GenerateRequest: generate,

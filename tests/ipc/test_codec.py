@@ -40,6 +40,7 @@ EXAMPLES: list[m.Message] = [
     m.ClientAbort("c1"),
     m.ClientOutput("c1", "hi", [1], "stop", 1, 0, 1, None, 200, None),
     m.GenerateRequest("r4", "t", SamplingParams(), prompt="x", constraint=Constraint("regex", "[0-9]+")),
+    m.TextDeltas([m.TextDelta("r1", "a", [1]), m.TextDelta("r2", "b", [2], "stop", 3, 0, 1)]),
 ]
 
 
