@@ -225,7 +225,8 @@ class WorkerConfig:
     device: str = field(default_factory=env.DEVICE.get)
     """``cpu`` or ``cuda``; empty picks CUDA when present."""
     dtype: str = ""
-    """Run dtype (float32, bfloat16, float16); empty picks float32 on CPU, bfloat16 on CUDA."""
+    """Run dtype (float32, bfloat16, float16); empty picks bfloat16 on CUDA and on a CPU with native bf16 (AVX-512
+    BF16, AMX), float32 on other CPUs (``stride.workers.runner.resolve_device_dtype``)."""
     tensor_parallel_size: int = 1
     """Ranks (one process per GPU)."""
     gpu: str = "H100-SXM-80GB"

@@ -46,7 +46,9 @@ class StrideServer:
     """``python -m stride serve --port 0 ARGS`` as a context manager; stderr is kept in :attr:`log`."""
 
     def __init__(self, *args: str) -> None:
-        self.args = ["--port", "0", *args]
+        # float32 unless a test says otherwise: the tests' references are float32 (on a CPU with native bf16 the
+        # served default is bf16).
+        self.args = ["--port", "0", *(() if "--dtype" in args else ("--dtype", "float32")), *args]
         self.log: list[str] = []
         self.proc: subprocess.Popen[str] | None = None
         self.model = ""

@@ -29,6 +29,8 @@ def make_runner(model: str, *, progress: Any = None, memory_utilization: float |
     """``ModelRunner`` of ``model``: keywords naming :class:`RunnerConfig` fields go there, the rest to
     :class:`WorkerConfig` (``device``, ``dtype``, ``attention_backend``, ``cuda_graphs``, ``quantize``...)."""
     runner_kw = {k: settings.pop(k) for k in list(settings) if k in _RUNNER_FIELDS}
+    if settings.get("device") == "cpu":
+        settings.setdefault("dtype", "float32")  # the tests' references are float32 (the served CPU default may not be)
     if memory_utilization is not None:
         settings["gpu_memory_utilization"] = memory_utilization
     return ModelRunner(RunnerConfig(WorkerConfig(model=str(model), **settings), **runner_kw), progress)

@@ -257,7 +257,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "backend, the cost model's")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: STRIDE_DEVICE, else CUDA when present")
-    p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"),
+                   help="weights and activations (default: bfloat16 on a GPU and on a CPU with native bf16, else "
+                        "float32)")
     p.add_argument("--threads", type=int, default=WorkerConfig.num_threads,
                    help="CPU threads of the worker's torch ops (default: one on a GPU, one per core on a CPU)")
     p.add_argument("--quantize", default=WorkerConfig.quantize, metavar="none|w4a16|w4a16-g<N>",

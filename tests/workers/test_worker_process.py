@@ -3,9 +3,11 @@ step inputs as they flow past (split at its prompt length), so they reach the sa
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from stride.params import SamplingParams
 from stride.workers.process import ModelStepper, _History, _needs_history
@@ -38,3 +40,19 @@ def test_collect_splits_each_sequence_at_its_prompt_length() -> None:
                            token_ids=np.array([22], np.int32), positions=np.array([6], np.int32))
     stepper._collect(buf2, 1)  # type: ignore[arg-type]
     assert (hist.prompt, hist.output) == ([10, 11, 12, 13], [20, 21, 22])
+
+
+def test_the_cpu_default_dtype_follows_native_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from stride.workers import runner
+
+    (tmp_path / "bf16").write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n")
+    (tmp_path / "amx").write_text("flags\t\t: fpu amx_tile amx_bf16\n")
+    (tmp_path / "old").write_text("flags\t\t: fpu sse avx2 avx512f\n")
+    assert runner.cpu_has_bf16(str(tmp_path / "bf16")) and runner.cpu_has_bf16(str(tmp_path / "amx"))
+    assert not runner.cpu_has_bf16(str(tmp_path / "old")) and not runner.cpu_has_bf16(str(tmp_path / "none"))
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(runner, "cpu_has_bf16", lambda native=native: native)
+        assert runner.resolve_device_dtype("cpu", "") == (torch.device("cpu"), want)
+        assert runner.resolve_device_dtype("cpu", "float32")[1] == torch.float32  # asked for, always given
