@@ -138,3 +138,43 @@ def test_plain_messages_for_a_template_without_tools() -> None:
     own = plain_messages([{"role": "system", "content": "Be brief."}, *history[:1]], parse_tools([WEATHER]))
     assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
     assert plain_messages(history[:1], None) == history[:1]
+
+
+def test_the_tokenizer_renders_tools_through_a_template_that_names_them() -> None:
+    """A template with its own tool support gets ``tools`` and the history as they are; the default model's (none)
+    gets Stride's system message. Control: the same request without tools renders neither."""
+    import dataclasses
+
+    from stride.config import IpcConfig, StrideConfig
+    from stride.ipc import messages as m
+    from stride.params import SamplingParams
+    from stride.tokenizer.process import TokenizerWorker
+
+    tok = load_tokenizer(default_model_path())
+    config = StrideConfig(ipc=IpcConfig(run_dir="/tmp", launch_id="tools"))
+    own = ("{% if tools %}TOOLS:{% for t in tools %}[{{ t.function.name }}]{% endfor %}\n{% endif %}"
+           "{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+           " CALL {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}\n{% endfor %}")
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "-3"}]
+    tools = parse_tools([WEATHER])
+
+    def prompt(worker: TokenizerWorker, with_tools: bool) -> str:
+        out = worker.on_generate(m.GenerateRequest("r", "t", SamplingParams(max_tokens=4), messages=history,
+                                                   tools=tools if with_tools else None))
+        assert isinstance(out, m.TokenizedRequest), out
+        worker.pending.clear()
+        return tok.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    templated = TokenizerWorker(config, 0, dataclasses.replace(tok, chat_template=own))
+    assert templated.renders_tools
+    text = prompt(templated, True)
+    assert text.startswith("TOOLS:[get_weather]") and "CALL get_weather(Oslo)" in text and "tool: -3" in text
+    assert "<tool_call>" not in text and "TOOLS:" not in prompt(templated, False)
+    plain = TokenizerWorker(config, 0, tok)
+    assert not plain.renders_tools
+    text = prompt(plain, True)
+    assert "<tools>" in text and '"name": "get_weather"' in text and "<tool_response>\n-3" in text
+    assert "<tools>" not in prompt(plain, False)
