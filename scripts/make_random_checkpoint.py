@@ -223,6 +223,28 @@ def write_tokenizer(out: Path, bos_id: int, eos_id: int) -> None:
     )
 
 
+def copy_tokenizer(source: str, out: Path, vocab_size: int) -> None:
+    """``source``'s tokenizer, chat template and end ids into ``out`` (tokenizer.json, tokenizer_config.json, and
+    config.json's bos/eos ids), replacing the byte-level tokenizer."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from stride.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(source)
+    if tok.tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"{source}'s tokenizer has {tok.tokenizer.get_vocab_size()} tokens; the preset {vocab_size}")
+    tok.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos_token}, indent=1))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eos_token_id"] = list(tok.eos_token_ids) if len(tok.eos_token_ids) > 1 else tok.eos_token_ids[0]
+    if tok.bos_token is not None:
+        cfg["bos_token_id"] = tok.tokenizer.token_to_id(tok.bos_token)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,6 +256,9 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=0, help="override the preset's layer count")
     parser.add_argument("--shard-gib", type=float, default=4.0, help="largest safetensors shard")
     parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu, cuda)")
+    parser.add_argument("--tokenizer-from", default="", metavar="PATH",
+                        help="write this model's tokenizer (a GGUF file or an HF directory) instead of the byte-level "
+                             "one: served benchmarks then stream real text (SmolLM2's fits the smollm2-135m preset)")
     args = parser.parse_args()
     cfg = dict(PRESETS[args.preset])
     if args.num_layers:
@@ -241,6 +266,8 @@ def main() -> int:
     out = write_checkpoint(
         cfg, Path(args.out), getattr(torch, args.dtype), args.seed, int(args.shard_gib * 2**30), args.device
     )
+    if args.tokenizer_from:
+        copy_tokenizer(args.tokenizer_from, out, cfg["vocab_size"])
     print(f"wrote {args.preset} ({args.dtype}) to {out}")
     return 0
 

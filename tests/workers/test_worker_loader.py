@@ -159,3 +159,24 @@ def test_weights_that_cannot_fit_are_refused_before_loading() -> None:
     refuse_weights_that_cannot_fit("llama-3.1-8b", torch.bfloat16, 0, False, 1, free)
     with pytest.raises(MemoryError, match="float32"):  # float32 holds twice the bytes
         refuse_weights_that_cannot_fit("llama-3.1-8b", torch.float32, 0, False, 1, 20 * 2**30)
+
+
+def test_a_random_checkpoint_can_carry_a_real_tokenizer(tmp_path: Path) -> None:
+    """``make_random_checkpoint.py --tokenizer-from``: the SmolLM2 GGUF's tokenizer, template and end ids replace
+    the byte-level tokenizer (control: without it the checkpoint has the 258-token one)."""
+    from stride.model.files import default_model_path
+    from stride.tokenizer.loader import load_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    make = runpy.run_path(str(root / "scripts" / "make_random_checkpoint.py"), run_name="make_checkpoint")
+    cfg = dict(make["PRESETS"]["smollm2-135m"], num_hidden_layers=1)
+    plain = make["write_checkpoint"](cfg, tmp_path / "plain", torch.float32, seed=1)
+    assert load_tokenizer(plain).tokenizer.get_vocab_size() == 258
+    real = make["write_checkpoint"](cfg, tmp_path / "real", torch.float32, seed=1)
+    make["copy_tokenizer"](default_model_path(), real, cfg["vocab_size"])
+    want, got = load_tokenizer(default_model_path()), load_tokenizer(real)
+    assert got.tokenizer.encode("Hello there!").ids == want.tokenizer.encode("Hello there!").ids
+    assert got.eos_token_ids == want.eos_token_ids and got.chat_template == want.chat_template
+    assert read_model_args(real).eos_token_ids == want.eos_token_ids
+    with pytest.raises(ValueError, match="tokens; the preset"):
+        make["copy_tokenizer"](default_model_path(), plain, 1000)
