@@ -185,7 +185,7 @@ def tp_rank_main(rank: int, size: int, init_file: str, model: str, out_dir: str,
     schedule; rank 0 saves every step's logits and every layer's output, in call order, to ``out_dir/tp{size}.pt``.
     With ``corrupt``, rank 1 reverses its slice of layer 0's attention-output columns: a wrong shard, the negative
     control. (Top-level, so ``torch.multiprocessing.spawn`` can start it.)"""
-    from stride.workers.parallel import TensorParallel
+    from stride.workers.parallel import TensorParallel, exit_spawned_rank
 
     torch.set_num_threads(1)
     tp = TensorParallel.init(rank, size, f"file://{init_file}")
@@ -208,3 +208,4 @@ def tp_rank_main(rank: int, size: int, init_file: str, model: str, out_dir: str,
             torch.save({"logits": logits, "layers": layers}, f"{out_dir}/tp{size}.pt")
     finally:
         tp.destroy()
+    exit_spawned_rank()

@@ -206,7 +206,7 @@ def run_stride(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[
 def _rank_main(rank: int, spec: RunSpec, model: str, schedule: Schedule, forced: list[list[int]] | None,
                prepare: Prepare | None, init_file: str, out: str) -> None:
     """One rank process of a run over several ranks (``torch.multiprocessing.spawn`` starts it)."""
-    from stride.workers.parallel import TensorParallel
+    from stride.workers.parallel import TensorParallel, exit_spawned_rank
     from stride.workers.runner import resolve_device_dtype
 
     device, _ = resolve_device_dtype(spec.device, spec.dtype)
@@ -221,6 +221,7 @@ def _rank_main(rank: int, spec: RunSpec, model: str, schedule: Schedule, forced:
             torch.save(capture, out)
     finally:
         tp.destroy()
+    exit_spawned_rank()
 
 
 def run_ranks(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[int]] | None = None,
