@@ -2,7 +2,9 @@
 
 Each measured step is ``schedule`` (decodes for every running sequence, block appends, indexing of blocks
 that fill) plus ``update`` (sampled tokens applied, stop checks). Sequences have long max_tokens so none
-finish; tokens come from the simulated backend, whose own time is not counted. Prints per-step figures.
+finish; tokens come from the simulated backend, whose own time is not counted. Prints per-step figures. With
+``--overlap`` each measured step is built ahead (``schedule_ahead`` while the step before is in flight, then that
+one's ``update``), as the scheduler process runs by default.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from stride.sched.scheduler import Scheduler
 from stride.sim.backend import SimBackend
 
 
-def bench(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:
+def bench(num_seqs: int, steps: int, prompt_len: int, overlap: bool = False) -> dict[str, float]:
     sc = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs + 512),
                          max_model_len=4096)
     cc = CacheConfig(block_size=16, num_blocks=num_seqs * 40, check_invariants=False)
@@ -38,14 +40,23 @@ def bench(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:
         now += 0.01
         sched.update(plan, buf.sampled_ids, now)
     sched_t, update_t = [], []
+    inflight = None
+    if overlap:
+        inflight = sched.schedule(now)
     for _ in range(steps):
         t0 = time.perf_counter()
-        plan = sched.schedule(now)
+        if inflight is None:
+            plan = sched.schedule(now)
+        else:
+            ahead = sched.schedule_ahead(now)
+            assert ahead is not None
+            plan, inflight = inflight, ahead
         t1 = time.perf_counter()
-        backend.run(plan.descriptor(), buf, buf.sampled_ids)
+        bank = buf.bank(plan.bank)
+        backend.run(plan.descriptor(), bank, bank.sampled_ids)
         now += 0.01
         t2 = time.perf_counter()
-        sched.update(plan, buf.sampled_ids, now)
+        sched.update(plan, bank.sampled_ids, now)
         t3 = time.perf_counter()
         assert plan.num_seqs == num_seqs
         sched_t.append(t1 - t0)
@@ -59,9 +70,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--overlap", action="store_true", help="steps built ahead of the one in flight")
     args = parser.parse_args()
     for n in (256, 1024):
-        r = bench(n, args.steps, args.prompt_len)
+        r = bench(n, args.steps, args.prompt_len, args.overlap)
         print(f"{n:5d} running: step {r['step_ms']:.3f} ms median (p90 {r['step_p90_ms']:.3f}) = "
               f"schedule {r['schedule_ms']:.3f} + update {r['update_ms']:.3f}")
 

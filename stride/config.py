@@ -183,6 +183,9 @@ class SchedulerConfig:
     trace_path: str = ""
     """Record every input and decision of the scheduler process to this JSON-lines file (``stride replay``);
     empty: no trace."""
+    overlap: bool = True
+    """Build and send the next step while one runs (its decodes take the running step's tokens on the device), so
+    the worker never waits for the scheduler; off: one step in flight at a time."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len",

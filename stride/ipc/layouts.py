@@ -24,17 +24,24 @@ the launcher creates it after the ranks are ready. Its rows are written for the 
 descriptor was sent, while the forward runs; :class:`~stride.ipc.messages.MasksReady` tells rank 0 they are there
 before it samples (:mod:`stride.grammar.matchers`).
 
+Every field but ``block_tables`` exists twice, as two **banks** (bank 1's segments end in ``_1``): with
+overlapped scheduling the scheduler writes step ``k+1`` into one bank while the ranks read step ``k`` from the
+other, and the descriptor names its bank. In a step built ahead, a decode row's input token is not known yet: it
+is ``-1 - r``, "the token row ``r`` of the previous step (the other bank) samples", and the ranks substitute it.
+
 Only the first ``num_seqs`` rows / ``num_tokens`` entries named by the step's :class:`StepDescriptor` are
-meaningful. Reuse rule: the loop is synchronous, so the scheduler writes step ``k+1`` only after rank 0's
-:class:`StepDone` for step ``k`` arrived, and the worker reads step ``k+1`` only after the descriptor for it
-arrived; rank 0 writes outputs before sending StepDone. A block-table row may be rewritten only for a
-sequence that is not in the step in flight. The launcher creates (and alone unlinks) every segment; the
-scheduler and the ranks attach.
+meaningful. Reuse rule: at most two steps are in flight, one per bank; the scheduler writes a bank only when the
+step that last used it is done (its :class:`StepDone` arrived), and the worker reads a step only after its
+descriptor arrived; rank 0 writes outputs before sending StepDone. A block-table row changes only past the
+columns a step in flight reads (a sequence's row grows at its end), or for a slot no step in flight holds.
+The launcher creates (and alone unlinks) every segment; the scheduler and the ranks attach.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -42,6 +49,13 @@ from stride.config import CacheConfig, IpcConfig, SchedulerConfig, max_blocks_pe
 from stride.ipc.shm import SharedArray
 
 MAX_TOP_LOGPROBS = 20
+
+
+class _HasTokenIds(Protocol):
+    token_ids: np.ndarray
+
+
+_B = TypeVar("_B", bound=_HasTokenIds)
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,14 @@ class StepLayout:
             "top_ids": ((s, k), np.int32),
             "top_logprobs": ((s, k), np.float32),
         }
+
+    def all_fields(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        """:meth:`fields` and bank 1's copies (``<name>_1``) of every field but ``block_tables``."""
+        fields = self.fields()
+        return fields | {f"{name}{BANK_SUFFIX}": spec for name, spec in fields.items() if name != "block_tables"}
+
+
+BANK_SUFFIX = "_1"
 
 
 MASK_FIELD = "token_bitmask"
@@ -98,29 +120,63 @@ class MaskBuffer:
         self._array.close()
 
 
-class StepBuffers:
-    """Every array of :class:`StepLayout`, created by the launcher or attached by the scheduler and ranks."""
+class StepBank:
+    """One bank's arrays (and the shared block tables): the attributes of :class:`StepBuffers`."""
+
+    def __init__(self, a: dict[str, np.ndarray], suffix: str = "") -> None:
+        self.block_tables = a["block_tables"]
+        self.token_ids = a["token_ids" + suffix]
+        self.positions = a["positions" + suffix]
+        self.seq_slots = a["seq_slots" + suffix]
+        self.query_lens = a["query_lens" + suffix]
+        self.context_lens = a["context_lens" + suffix]
+        self.sample_flags = a["sample_flags" + suffix]
+        self.sampled_ids = a["sampled_ids" + suffix]
+        self.logprobs = a["logprobs" + suffix]
+        self.top_ids = a["top_ids" + suffix]
+        self.top_logprobs = a["top_logprobs" + suffix]
+
+    def step_inputs(self, num_tokens: int, ahead: bool, prev: StepBank) -> StepBank:
+        """This bank as a rank reads a step: :func:`fill_placeholders`."""
+        return fill_placeholders(self, num_tokens, ahead, prev)
+
+
+def fill_placeholders(bank: _B, num_tokens: int, ahead: bool, prev: Any) -> _B:
+    """``bank`` as a rank reads a step of ``num_tokens``: for a step built ahead, with each placeholder ``-1 - r``
+    replaced by ``prev.sampled_ids[r]``, the token the step before sampled there (in a copy: the shared array stays
+    as the scheduler wrote it; a row that sampled nothing, as a sequence that failed alone, gives token 0 to a row
+    whose output is dropped)."""
+    ids = bank.token_ids[:num_tokens]
+    if not ahead:
+        return bank
+    holes = ids < 0
+    if not holes.any():
+        return bank
+    filled = ids.copy()
+    filled[holes] = np.maximum(prev.sampled_ids[-1 - ids[holes]], 0)
+    view = copy.copy(bank)
+    view.token_ids = filled
+    return view
+
+
+class StepBuffers(StepBank):
+    """Every array of :class:`StepLayout`, created by the launcher or attached by the scheduler and ranks. Its own
+    attributes are bank 0's; :meth:`bank` gives either."""
 
     def __init__(self, arrays: dict[str, SharedArray]) -> None:
         self._arrays = arrays
         a = {name: sa.array for name, sa in arrays.items()}
-        self.block_tables = a["block_tables"]
-        self.token_ids = a["token_ids"]
-        self.positions = a["positions"]
-        self.seq_slots = a["seq_slots"]
-        self.query_lens = a["query_lens"]
-        self.context_lens = a["context_lens"]
-        self.sample_flags = a["sample_flags"]
-        self.sampled_ids = a["sampled_ids"]
-        self.logprobs = a["logprobs"]
-        self.top_ids = a["top_ids"]
-        self.top_logprobs = a["top_logprobs"]
+        super().__init__(a)
+        self.banks = (self, StepBank(a, BANK_SUFFIX))
+
+    def bank(self, index: int) -> StepBank:
+        return self.banks[index]
 
     @classmethod
     def create(cls, ipc: IpcConfig, layout: StepLayout) -> StepBuffers:
         made: dict[str, SharedArray] = {}
         try:
-            for name, (shape, dtype) in layout.fields().items():
+            for name, (shape, dtype) in layout.all_fields().items():
                 made[name] = SharedArray.create(ipc.shm_name(name), shape, dtype,
                                                 fill=-1 if name == "block_tables" else 0)
         except BaseException:
@@ -133,7 +189,7 @@ class StepBuffers:
     def attach(cls, ipc: IpcConfig, layout: StepLayout) -> StepBuffers:
         made: dict[str, SharedArray] = {}
         try:
-            for name, (shape, dtype) in layout.fields().items():
+            for name, (shape, dtype) in layout.all_fields().items():
                 made[name] = SharedArray.attach(ipc.shm_name(name), shape, dtype)
         except BaseException:
             for sa in made.values():

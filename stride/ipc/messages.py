@@ -157,6 +157,10 @@ class StepDescriptor(Message):
     masked_rows: list[int] = field(default_factory=list)
     """Rows (indices into this step's sequences) that sample under a token bitmask (structured outputs). Their
     masks are written after this descriptor is sent; rank 0 waits for :class:`MasksReady` before sampling."""
+    bank: int = 0
+    """Which bank of the step arrays holds this step (:mod:`stride.ipc.layouts`)."""
+    ahead: bool = False
+    """Built while step ``step - 1`` ran: an input token ``-1 - r`` is the token that step's row ``r`` samples."""
 
 
 @dataclass(frozen=True)

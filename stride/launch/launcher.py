@@ -289,6 +289,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks,
                    help="KV blocks on CPU or with the simulated backend (a GPU sizes its cache itself)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="one step in flight at a time (default: the next step is built while one runs)")
     p.add_argument("--trace", default=SchedulerConfig.trace_path,
                    help="record the scheduler's decisions to this JSON-lines file")
     p.add_argument("--address-file", default="",
@@ -315,7 +317,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=args.max_waiting_requests, trace_path=args.trace),
+                                  max_waiting_requests=args.max_waiting_requests, trace_path=args.trace,
+                                  overlap=not args.no_overlap),
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, dtype=args.dtype, gpu=args.gpu,
                             tensor_parallel_size=args.tp, num_threads=args.threads,
                             cuda_graphs=not args.enforce_eager, quantize=args.quantize,

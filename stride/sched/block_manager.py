@@ -251,6 +251,15 @@ class BlockManager:
         self._tokens[slots, n] = ids
         self._num_tokens[slots] = n + 1
 
+    def set_last_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        """Overwrite the last recorded token of each of ``slots`` (a step built ahead appended a placeholder for a
+        token not sampled yet). Call before :meth:`mark_computed` covers it: an indexed block's content is fixed."""
+        slots = np.asarray(slots, dtype=np.intp)
+        last = self._num_tokens[slots] - 1
+        if len(slots) and (last.min() < 0 or (last < self._num_hashed[slots] * self.block_size).any()):
+            raise ValueError("set_last_tokens: a slot is empty or its last token is in an indexed block")
+        self._tokens[slots, last] = as_token_array(token_ids)
+
     def free(self, slot: int) -> None:
         """The sequence finished or was aborted: indexed blocks become cached, the rest free; row = -1."""
         self._drop(slot)

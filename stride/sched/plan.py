@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from stride.config import CacheConfig, SchedulerConfig, max_blocks_per_seq
+from stride.ipc.layouts import fill_placeholders
 from stride.ipc.messages import NewSequence, StepDescriptor
 
 # Rejection reasons and the HTTP status the frontend answers with.
@@ -89,13 +90,20 @@ class StepArraysLike(Protocol):
     context_lens: np.ndarray
     sample_flags: np.ndarray
 
+    def bank(self, index: int) -> Any:
+        """Bank ``index`` (0 or 1) of the step arrays: the same names, the block tables shared (overlapped steps
+        write the other bank than the step in flight)."""
+
 
 class StepArrays:
-    """Plain-numpy stand-in for :class:`~stride.ipc.layouts.StepBuffers` (same names, dtypes, shapes)."""
+    """Plain-numpy stand-in for :class:`~stride.ipc.layouts.StepBuffers` (same names, dtypes, shapes; its own
+    attributes are bank 0, :meth:`bank` gives either)."""
 
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig,
+                 block_tables: np.ndarray | None = None) -> None:
         s, t = sched.max_num_seqs, sched.max_num_batched_tokens
-        self.block_tables = np.full((s, max_blocks_per_seq(sched, cache)), -1, dtype=np.int32)
+        self.block_tables = (np.full((s, max_blocks_per_seq(sched, cache)), -1, dtype=np.int32)
+                             if block_tables is None else block_tables)
         self.token_ids = np.zeros(t, dtype=np.int32)
         self.positions = np.zeros(t, dtype=np.int32)
         self.seq_slots = np.zeros(s, dtype=np.int32)
@@ -103,6 +111,19 @@ class StepArrays:
         self.context_lens = np.zeros(s, dtype=np.int32)
         self.sample_flags = np.zeros(s, dtype=np.int8)
         self.sampled_ids = np.full(s, -1, dtype=np.int32)
+        self._other: StepArrays | None = None
+        if block_tables is None:  # bank 0 makes bank 1, which shares its block tables
+            self._other = StepArrays(sched, cache, self.block_tables)
+
+    def bank(self, index: int) -> StepArrays:
+        if index == 0:
+            return self
+        assert self._other is not None
+        return self._other
+
+    def step_inputs(self, num_tokens: int, ahead: bool, prev: StepArrays) -> StepArrays:
+        """As :meth:`stride.ipc.layouts.StepBank.step_inputs`: the placeholders of a step built ahead filled in."""
+        return fill_placeholders(self, num_tokens, ahead, prev)
 
 
 @dataclass
@@ -125,6 +146,15 @@ class StepPlan:
     """Slots freed since the last step (finished, aborted or preempted). A slot may appear here and in
     ``new_seqs`` of the same step: the worker drops the old sequence first."""
     preempted_ids: list[str] = field(default_factory=list)
+    bank: int = 0
+    """The bank of the step arrays this step was written to."""
+    ahead_slots: np.ndarray | None = None
+    """Built ahead (while the step before ran): the slots of the decode rows whose input token is the one that
+    step samples (a ``-1 - row`` placeholder in the arrays). None for a step built after its predecessor ended."""
+
+    @property
+    def ahead(self) -> bool:
+        return self.ahead_slots is not None
 
     @property
     def num_seqs(self) -> int:
@@ -137,11 +167,14 @@ class StepPlan:
     def descriptor(self) -> StepDescriptor:
         """The message that sends this step to rank 0 (the arrays travel in shared memory)."""
         return StepDescriptor(step=self.step, num_seqs=self.num_seqs, num_tokens=self.num_tokens,
-                              new_seqs=list(self.new_seqs), finished_slots=list(self.finished_slots))
+                              new_seqs=list(self.new_seqs), finished_slots=list(self.finished_slots),
+                              bank=self.bank, ahead=self.ahead)
 
     def decisions(self) -> dict[str, Any]:
         """JSON-ready summary of every decision (what a trace records and replay compares)."""
+        ahead = {} if self.ahead_slots is None else {"ahead": self.ahead_slots.tolist()}
         return {
+            **ahead,
             "req_ids": list(self.req_ids),
             "slots": self.slots.tolist(),
             "query_lens": self.query_lens.tolist(),

@@ -5,7 +5,10 @@ decides nothing.)
 It pulls :class:`TokenizedRequest`, :class:`AbortRequest` and rank 0's :class:`StepDone` at
 ``scheduler_address``; it writes each step into the shared step buffers and pushes a
 :class:`StepDescriptor` to rank 0; it pushes each step's outputs to the tokenizer that owns each request,
-and refusals and :class:`SchedulerStats` to the frontend. One step is in flight at a time.
+and refusals and :class:`SchedulerStats` to the frontend. With ``SchedulerConfig.overlap`` (the default) the next
+step is built and sent while one runs (:meth:`~stride.sched.scheduler.Scheduler.schedule_ahead`), so rank 0 finds
+it waiting when it finishes: up to two steps are in flight. Not while any request samples under a grammar: its
+mask for a step needs the token of the step before.
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class SchedulerLoop:
         self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
         # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
         self.routes: dict[str, tuple[int, int | None]] = {}
-        self.inflight: StepPlan | None = None
+        self.inflight: list[StepPlan] = []
+        """Sent and not yet answered, oldest first."""
+        self.overlap = config.scheduler.overlap
         self.timeline = StepTimeline()
 
     def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
@@ -92,12 +97,22 @@ class SchedulerLoop:
             self.grammar.drop(req_id)
 
     def next_step(self, now: float) -> m.StepDescriptor | None:
-        if self.inflight is not None or not self.core.has_work():
+        """The next step to send: built now if nothing is in flight, ahead if one step is and overlapping is on
+        (and no request samples under a grammar); None if there is none."""
+        if len(self.inflight) > 1 or not self.core.has_work():
             return None
+        if self.inflight:
+            if not self.overlap or (self.grammar is not None and len(self.grammar)):
+                return None
+            ahead = self.core.schedule_ahead(now)
+            if ahead is None:
+                return None
+            self.inflight.append(ahead)
+            return ahead.descriptor()
         plan = self.core.schedule(now)
         if plan.num_seqs == 0:
             return None
-        self.inflight = plan
+        self.inflight.append(plan)
         desc = plan.descriptor()
         self._masked = []
         if self.grammar is not None and len(self.grammar):
@@ -111,19 +126,19 @@ class SchedulerLoop:
     def fill_masks(self) -> m.MasksReady | None:
         """Write the bitmask rows of the step just sent (called after its descriptor went out, so this runs while
         the forward does); the message that tells rank 0 they are there, or None if the step has none."""
-        if not self._masked or self.inflight is None:
+        if not self._masked or len(self.inflight) != 1:
             return None
         assert self.grammar is not None and self.bitmask is not None
         self.grammar.fill(self._masked, self.bitmask)
-        return m.MasksReady(self.inflight.step)
+        return m.MasksReady(self.inflight[0].step)
 
     def on_step_done(self, done: m.StepDone, now: float) -> dict[int, list[m.TokenOutput]]:
         """The step's outputs grouped by owning tokenizer. A sequence the worker failed alone ends with an
         error: it is aborted before the update, so its row's token is dropped and its blocks freed."""
-        plan = self.inflight
-        if plan is None or done.step != plan.step:
-            raise RuntimeError(f"StepDone for step {done.step}, in flight: {plan.step if plan else None}")
-        self.inflight = None
+        if not self.inflight or done.step != self.inflight[0].step:
+            raise RuntimeError(f"StepDone for step {done.step}, in flight: {[p.step for p in self.inflight]}")
+        plan = self.inflight.pop(0)
+        out = self.buffers.bank(plan.bank)
         by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
         for failure in done.failed:
             log.error("rank 0 failed request %s: %s", failure.req_id, failure.error)
@@ -135,7 +150,7 @@ class SchedulerLoop:
                 by_owner[failed_route[0]].append(m.TokenOutput(failure.req_id, [], "error",
                                                                error=f"worker error: {failure.error}"))
         n = plan.num_seqs
-        sampled = np.array(self.buffers.sampled_ids[:n])
+        sampled = np.array(out.sampled_ids[:n])
         stop_rows = self._advance_matchers(sampled, by_owner, now)
         batch = self.core.update(plan, sampled, now, stop_rows)
         finished = batch.finished
@@ -152,9 +167,9 @@ class SchedulerLoop:
             owner, k = route
             lp = top = None
             if k is not None:
-                lp = [float(self.buffers.logprobs[row])]
-                top = [[[int(t), float(v)] for t, v in zip(self.buffers.top_ids[row, :k].tolist(),
-                                                            self.buffers.top_logprobs[row, :k].tolist(),
+                lp = [float(out.logprobs[row])]
+                top = [[[int(t), float(v)] for t, v in zip(out.top_ids[row, :k].tolist(),
+                                                            out.top_logprobs[row, :k].tolist(),
                                                             strict=True)]]
             reason = finished.get(req_id)
             by_owner[owner].append(m.TokenOutput(req_id, [tok], reason, num_prompt, num_cached, lp, top))
@@ -272,15 +287,16 @@ def run(config: StrideConfig) -> int:
                 if isinstance(msg, m.Shutdown):
                     return 0
                 handlers[type(msg)](msg)
-            desc = loop.next_step(now)
-            if desc is not None:
+            sent = False
+            while (desc := loop.next_step(now)) is not None:  # with overlap, the next one is built at once
                 # Stamped before the send: rank 0 may take the descriptor before put returns here.
                 loop.timeline.sent(time.perf_counter())
                 to_worker.put(desc)
+                sent = True
                 ready = loop.fill_masks()  # while the forward runs
                 if ready is not None:
                     to_worker.put(ready)
-            elif loop.inflight is None:
+            if not sent and not loop.inflight:
                 loop.timeline.idle()
             if now - last_stats >= STATS_INTERVAL_S:
                 to_front.put(loop.stats())

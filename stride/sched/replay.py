@@ -55,7 +55,7 @@ def replay_records(records: list[dict[str, Any]]) -> ReplayResult:
     sched_cfg, cache_cfg, eos = configs_from(records[0])
     buffers = StepArrays(sched_cfg, cache_cfg)
     sched = Scheduler(sched_cfg, cache_cfg, buffers, eos_token_ids=eos)
-    plan: StepPlan | None = None
+    inflight: list[StepPlan] = []  # oldest first: with overlapped scheduling a step is built ahead of one in flight
     num_steps = 0
     for i, rec in enumerate(records[1:], 1):
         kind, now = rec["kind"], rec.get("now", 0.0)
@@ -70,18 +70,29 @@ def replay_records(records: list[dict[str, Any]]) -> ReplayResult:
         elif kind == "abort":
             sched.abort(rec["req_id"], now)
         elif kind == "schedule":
-            plan = sched.schedule(now)
+            if rec.get("ahead"):
+                if len(inflight) != 1:
+                    what = f"step {rec['step']} was built ahead of {len(inflight)} steps in flight"
+                    return ReplayResult(i, num_steps, what, rec["step"], i)
+                ahead = sched.schedule_ahead(now)
+                if ahead is None:
+                    return ReplayResult(i, num_steps, f"step {rec['step']}: built ahead, replayed none",
+                                        rec["step"], i)
+                plan = ahead
+            else:
+                plan = sched.schedule(now)
+            if plan.num_seqs:
+                inflight.append(plan)
             replayed = plan.decisions()
             if plan.step != rec["step"] or replayed != rec["decisions"]:
                 what = _diff({"step": rec["step"], **rec["decisions"]}, {"step": plan.step, **replayed})
                 return ReplayResult(i, num_steps, f"step {rec['step']}: {what}", rec["step"], i)
             num_steps += 1
         elif kind == "update":
-            if plan is None or plan.step != rec["step"]:
+            if not inflight or inflight[0].step != rec["step"]:
                 what = f"update for step {rec['step']} without its schedule record"
                 return ReplayResult(i, num_steps, what, rec["step"], i)
-            sched.update(plan, np.array(rec["sampled"], dtype=np.int32), now, rec.get("stop_rows", ()))
-            plan = None
+            sched.update(inflight.pop(0), np.array(rec["sampled"], dtype=np.int32), now, rec.get("stop_rows", ()))
         else:
             raise ValueError(f"record {i}: unknown kind {kind!r}")
     return ReplayResult(len(records), num_steps)

@@ -9,8 +9,10 @@ Each :meth:`Scheduler.schedule` call decides one step under ``max_num_batched_to
 3. **admission** by slack (deadline - now) from the waiting queue, each admitted request taking blocks for
    all its tokens (reusing its tenant's cached prefix) and a first prefill chunk of what budget is left.
 
-:meth:`Scheduler.update` then applies the step's sampled tokens. The loop is synchronous: ``schedule``
-is not called again before ``update`` of the step in flight. Per-slot numpy arrays carry the state the
+:meth:`Scheduler.update` then applies the step's sampled tokens. ``schedule`` is called with no step in flight;
+:meth:`Scheduler.schedule_ahead` builds the next step while one is in flight (overlapped scheduling): its decodes
+take the in-flight step's tokens on the device, it preempts nothing, and it may decline, changing nothing. So at
+most two steps are in flight, and ``update`` takes them in order. Per-slot numpy arrays carry the state the
 decode path needs, so a step with a thousand decodes is a few vector operations plus the block
 manager's per-slot calls. Nothing here reads the wall clock.
 """
@@ -55,7 +57,8 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._trace = trace
         self.slots = SlotTable(sched_cfg.max_num_seqs)
-        self._inflight: StepPlan | None = None
+        self._inflight: list[StepPlan] = []
+        """Oldest first; at most two."""
         self._step = 0
         self._seq_counter = 0
         if trace is not None:
@@ -133,13 +136,21 @@ class Scheduler:
         return Update(req_id, [], "abort", req.num_prompt_tokens, req.num_cached_tokens)
 
     def _finish(self, req: Request, reason: str) -> None:
+        """``req`` ends. Its slot and blocks are freed now, or -- while a step built ahead still holds the slot --
+        at that step's update (the slot is marked ``aborted``: it gets no more tokens)."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.slot >= 0:
-            self.bm.free(req.slot)
-            self._drop_slot(req)
+            if self.slots.in_step[req.slot]:
+                self.slots.aborted[req.slot] = True
+            else:
+                self._free_slot(req)
         del self.requests[req.req_id]
         self.counters.num_finished += 1
+
+    def _free_slot(self, req: Request) -> None:
+        self.bm.free(req.slot)
+        self._drop_slot(req)
 
     def _drop_slot(self, req: Request) -> None:
         self.slots.release(req.slot)
@@ -173,20 +184,45 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self, now: float) -> StepPlan:
-        """Decide the next step and write it into the step buffers. An empty plan (``num_seqs == 0``)
+        """Decide the next step and write it into the step buffers (bank 0). An empty plan (``num_seqs == 0``)
         changes nothing: it need not be sent, and needs no :meth:`update`."""
-        if self._inflight is not None:
-            raise RuntimeError(f"schedule() called before update() of step {self._inflight.step}")
+        if self._inflight:
+            raise RuntimeError(f"schedule() called before update() of step {self._inflight[0].step}")
         plan = build_step(self, now)
+        assert plan is not None  # only a step built ahead declines
+        self._record(plan, now)
+        return plan
+
+    def schedule_ahead(self, now: float) -> StepPlan | None:
+        """Decide the step after the one in flight, in the other bank, before that one's tokens are known: each
+        sequence it samples decodes on that token (it cannot finish by length there, as that is known); one that
+        then finishes on EOS or a stop token costs its slot of this step, which yields nothing. None, having changed
+        nothing, when there is nothing to run or the step would need more than the budget or the pool has for its
+        decodes (then :meth:`schedule` decides it after the update, preempting if it must)."""
+        if len(self._inflight) != 1:
+            raise RuntimeError(f"schedule_ahead() needs exactly one step in flight, not {len(self._inflight)}")
+        prev = self._inflight[0]
+        plan = build_step(self, now, 1 - prev.bank, prev)
+        if plan is None or plan.num_seqs == 0:
+            return None
+        self._record(plan, now)
+        return plan
+
+    def _record(self, plan: StepPlan, now: float) -> None:
         if plan.num_seqs:
             self._step += 1
-            self._inflight = plan
-            self.slots.in_step[plan.slots] = True
+            self._inflight.append(plan)
+            self.slots.in_step[plan.slots] += 1
         if self.cache_cfg.check_invariants:
             self.bm.assert_invariants()
         if self._trace is not None:
-            self._trace.write("schedule", now, step=plan.step, decisions=plan.decisions())
-        return plan
+            extra = {"ahead": True} if plan.ahead else {}
+            self._trace.write("schedule", now, step=plan.step, decisions=plan.decisions(), **extra)
+
+    @property
+    def inflight(self) -> list[StepPlan]:
+        """The steps in flight, oldest first."""
+        return list(self._inflight)
 
     def update(self, plan: StepPlan, sampled_ids: np.ndarray, now: float,
                stop_rows: Sequence[int] = ()) -> UpdateBatch:
@@ -197,13 +233,13 @@ class Scheduler:
         the step's news in columns (iterate it for one :class:`Update` per request)."""
         if plan.num_seqs == 0:
             return UpdateBatch.empty()
-        if plan is not self._inflight:
-            raise RuntimeError(f"update() for step {plan.step}, but the step in flight is "
-                               f"{self._inflight.step if self._inflight else None}")
-        self._inflight = None
+        if not self._inflight or plan is not self._inflight[0]:
+            raise RuntimeError(f"update() for step {plan.step}, but the oldest step in flight is "
+                               f"{self._inflight[0].step if self._inflight else None}")
+        self._inflight.pop(0)
         n = plan.num_seqs
         slots = plan.slots
-        self.slots.in_step[slots] = False
+        self.slots.in_step[slots] -= 1
         sampled = np.asarray(sampled_ids[:n], dtype=np.int64)
         if self._trace is not None:
             extra = {"stop_rows": [int(r) for r in stop_rows]} if len(stop_rows) else {}
@@ -242,8 +278,9 @@ class Scheduler:
                 reqs[i].first_token_time = now
         for i in np.flatnonzero(verdict == -1).tolist():
             req = reqs[i]
-            nc = req.num_computed_tokens
-            verdict[i] = 1 if tok_list[i] in req.params.stop_token_ids else (2 if nc + 1 >= req.max_len else 0)
+            verdict[i] = 1 if tok_list[i] in req.params.stop_token_ids else (2 if new_len[i] >= req.max_len else 0)
+        if self._inflight and self._inflight[0].ahead_slots is not None:
+            self._owed_tokens(self._inflight[0].ahead_slots, s_slots, toks, verdict)
 
         req_ids = plan.req_ids
         batch = UpdateBatch(req_ids=list(req_ids) if len(rows) == n else [req_ids[i] for i in rows.tolist()],
@@ -254,11 +291,28 @@ class Scheduler:
             reason = "stop" if verdict[i] == 1 else "length"
             batch.finished[req.req_id] = reason
             self._finish(req, reason)
-        for slot in slots[self.slots.aborted[slots]].tolist():  # aborted in flight: free now the workers are done
+        ended = self.slots.aborted[slots] & (self.slots.in_step[slots] == 0)
+        for slot in slots[ended].tolist():  # ended in flight: free now that no step holds the slot
             req = self.slots.req[slot]
             assert req is not None
-            self._finish(req, "abort")
+            if req.status is RequestStatus.FINISHED:  # finished while a step built ahead held it
+                self._free_slot(req)
+            else:
+                self._finish(req, "abort")
         return batch
+
+    def _owed_tokens(self, ahead_slots: np.ndarray, s_slots: np.ndarray, toks: np.ndarray,
+                     verdict: np.ndarray) -> None:
+        """The step built ahead decodes ``ahead_slots`` on the tokens this update brings: the block manager gets
+        them in place of its placeholders, and the blocks they filled are indexed (only of sequences that run
+        on: a finished one's slot is freed after that step)."""
+        got = np.isin(s_slots, ahead_slots)
+        if not got.any():
+            return
+        owed, owed_toks = s_slots[got], toks[got]
+        self.bm.set_last_tokens(owed, owed_toks)
+        on = verdict[got] == 0
+        self.bm.mark_computed_many(owed[on], self.slots.num_computed[owed[on]])
 
     # ------------------------------------------------------------------ metrics
 

@@ -27,7 +27,8 @@ class SlotTable:
         """Freed since the last plan: the next descriptor names them so the worker drops their state before it
         sees a new sequence in a reused slot."""
         self.running = np.zeros(num_slots, dtype=bool)
-        self.in_step = np.zeros(num_slots, dtype=bool)
+        self.in_step = np.zeros(num_slots, dtype=np.int8)
+        """Steps in flight that hold the slot (0, 1 or 2: with overlapped scheduling one is built ahead)."""
         self.num_tokens = np.zeros(num_slots, dtype=np.int64)
         self.num_computed = np.zeros(num_slots, dtype=np.int64)
         self.num_alloc = np.zeros(num_slots, dtype=np.int64)
@@ -40,7 +41,8 @@ class SlotTable:
         self.stop_on_eos = np.zeros(num_slots, dtype=bool)
         self.has_stop_ids = np.zeros(num_slots, dtype=bool)
         self.aborted = np.zeros(num_slots, dtype=bool)
-        """Aborted while in the step in flight: freed at its update."""
+        """Ended (aborted, or finished while a step built ahead held it too) while a step in flight holds the slot: it
+        gets no more tokens, and is freed at the update of the last step that holds it."""
         self.has_first = np.zeros(num_slots, dtype=bool)
         """The request's first token time is set."""
         self.num_prompt = np.zeros(num_slots, dtype=np.int64)

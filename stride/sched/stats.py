@@ -22,11 +22,12 @@ class SchedulerCounters:
 
 @dataclass
 class StepTimeline:
-    """Where the wall time of busy stretches goes, summed over steps. One step's cycle runs from its descriptor
-    being sent to the next one being sent: the round trip (transport both ways, plus rank 0's time, of which the
-    device's span is a part), then the scheduler's gap (handling the outputs, building and sending the next step).
-    A gap is counted only when a next step followed at once: idle time with nothing to run is no one's overhead.
-    The device's idle share of busy time is ``1 - device_s / (round_trip_s + gap_s)``."""
+    """Where the wall time of busy stretches goes, summed over steps. A busy stretch runs from a descriptor being
+    sent with no step in flight to the last answer of the steps sent since: the round trip (transport both ways,
+    rank 0's time, of which the device's span is a part; with overlapped scheduling two steps may be in flight,
+    and the stretch is counted once). Then the scheduler's gap: from that answer until the next step is sent,
+    counted only when a next step followed at once (idle time with nothing to run is no one's overhead). The
+    device's idle share of busy time is ``1 - device_s / (round_trip_s + gap_s)``."""
 
     steps: int = 0
     device_s: float = 0.0
@@ -36,28 +37,32 @@ class StepTimeline:
     graph_steps: int = 0
     """Steps whose forward replayed a decode graph, and their share of ``device_s``: the rest ran eagerly."""
     graph_device_s: float = 0.0
+    _in_flight: int = 0
     _sent_at: float | None = None
     _done_at: float | None = None
 
     def sent(self, now: float) -> None:
         """A descriptor went to rank 0 at ``now``."""
-        if self._done_at is not None:
-            self.gap_s += now - self._done_at
-            self._done_at = None
-        self._sent_at = now
+        if self._in_flight == 0:
+            if self._done_at is not None:
+                self.gap_s += now - self._done_at
+                self._done_at = None
+            self._sent_at = now
+        self._in_flight += 1
 
     def done(self, now: float, worker_s: float, device_s: float, graphed: bool = False) -> None:
-        """Rank 0's answer to the step in flight came at ``now``."""
+        """Rank 0's answer to the oldest step in flight came at ``now``."""
         if graphed:
             self.graph_steps += 1
             self.graph_device_s += device_s
-        if self._sent_at is not None:
+        self._in_flight = max(0, self._in_flight - 1)
+        if self._in_flight == 0 and self._sent_at is not None:
             self.round_trip_s += now - self._sent_at
             self._sent_at = None
+            self._done_at = now
         self.steps += 1
         self.worker_s += worker_s
         self.device_s += device_s
-        self._done_at = now
 
     def idle(self) -> None:
         """No step followed the last answer: the gap since it is idle time, not overhead."""

@@ -88,6 +88,29 @@ def _decodes(sched: StepHost, budget: int, preempted: list[str]) -> np.ndarray:
     return np.array(kept, dtype=np.int64)
 
 
+def _decodes_ahead(sched: StepHost, budget: int, prev: StepPlan) -> tuple[np.ndarray, np.ndarray] | None:
+    """The decodes of a step built while ``prev`` runs: (every decode slot, those whose input is ``prev``'s token).
+    A sequence ``prev`` samples for decodes on the token it has not got yet, unless that token ends it by length; one
+    that ended while in flight does not run. None, having changed nothing, when the budget or the pool cannot take
+    every decode: the caller waits for ``prev`` and builds the step then (preemption is decided only there)."""
+    st = sched.slots
+    live = st.running & ~st.aborted
+    owed = np.zeros(len(live), dtype=bool)
+    owed[prev.slots[prev.sample_flags]] = True
+    ahead = np.flatnonzero(live & owed & (st.num_tokens + 1 < st.max_len))
+    known = np.flatnonzero(live & ~owed & (st.num_tokens - st.num_computed == 1))
+    need = known[st.num_alloc[known] < st.num_tokens[known]]
+    num_new_blocks = (int(np.count_nonzero(st.num_alloc[need] % sched.block_size == 0))
+                      + int(np.count_nonzero(st.num_alloc[ahead] % sched.block_size == 0)))
+    if len(ahead) + len(known) > budget or num_new_blocks > sched.bm.num_available_blocks:
+        return None
+    sched.bm.append_many(need, st.last_token[need])
+    sched.bm.append_many(ahead, np.zeros(len(ahead), dtype=np.int64))  # the real token is written at prev's update
+    st.num_alloc[need] += 1
+    st.num_alloc[ahead] += 1
+    return np.sort(np.concatenate([known, ahead])), ahead
+
+
 def _tokens(req: Request, start: int, stop: int) -> list[int]:
     prompt = req.prompt_token_ids
     if stop <= len(prompt):
@@ -95,25 +118,44 @@ def _tokens(req: Request, start: int, stop: int) -> list[int]:
     return req.token_ids[start:stop]
 
 
-def build_step(sched: StepHost, now: float) -> StepPlan:
+def build_step(sched: StepHost, now: float, bank: int = 0, prev: StepPlan | None = None) -> StepPlan | None:
+    """The next step, written into bank ``bank`` of the step arrays. With ``prev`` (the step in flight) it is built
+    ahead: decodes of sequences ``prev`` samples take its token from the device, and nothing is preempted; None,
+    having changed nothing, when that cannot be (then the step is built after ``prev`` ends)."""
     cfg = sched.cfg
-    buf = sched.buffers
+    buf = sched.buffers.bank(bank)
     bm = sched.bm
     budget = cfg.max_num_batched_tokens
     preempted: list[str] = []
+    ahead: np.ndarray | None = None
 
     # 1. Decodes, vectorised: token = the last sampled one, at position = tokens computed so far.
-    dec = _decodes(sched, budget, preempted)
+    if prev is None:
+        dec = _decodes(sched, budget, preempted)
+    else:
+        got = _decodes_ahead(sched, budget, prev)
+        if got is None:
+            return None
+        dec, ahead = got
     n = len(dec)
     pos = sched.slots.num_computed[dec]
     buf.token_ids[:n] = sched.slots.last_token[dec]
+    if ahead is not None and len(ahead):
+        assert prev is not None
+        row_of = np.zeros(len(sched.slots.running), dtype=np.int64)
+        row_of[prev.slots] = np.arange(prev.num_seqs)
+        owed = np.isin(dec, ahead)
+        buf.token_ids[:n][owed] = -1 - row_of[dec[owed]]  # "the token row r of prev samples"
+        known = dec[~owed]
+        bm.mark_computed_many(known, sched.slots.num_computed[known] + 1)  # the rest at prev's update
+    else:
+        bm.mark_computed_many(dec, pos + 1)  # indexes the blocks that just filled
     buf.positions[:n] = pos
     buf.seq_slots[:n] = dec
     buf.query_lens[:n] = 1
     buf.context_lens[:n] = pos + 1
     buf.sample_flags[:n] = 1
     sched.slots.num_computed[dec] = pos + 1
-    bm.mark_computed_many(dec, pos + 1)  # indexes the blocks that just filled
     budget -= n
 
     slots: list[int] = []
@@ -148,7 +190,7 @@ def build_step(sched: StepHost, now: float) -> StepPlan:
 
     # 2. Running prefills continue (they already hold their blocks), least slack first.
     if budget > 0:
-        running = np.flatnonzero(sched.slots.running)
+        running = np.flatnonzero(sched.slots.running & ~sched.slots.aborted)
         pre = running[sched.slots.num_tokens[running] - sched.slots.num_computed[running] > 1]
         for slot in _by_slack(sched, pre).tolist():
             if budget == 0:
@@ -174,7 +216,7 @@ def build_step(sched: StepHost, now: float) -> StepPlan:
     all_slots = np.concatenate([dec, np.array(slots, dtype=np.int64)]).astype(np.int32)
     if len(all_slots) == 0:
         return StepPlan(sched.step, [], all_slots, all_slots.copy(), all_slots.copy(),
-                        np.zeros(0, dtype=bool), preempted_ids=preempted)
+                        np.zeros(0, dtype=bool), preempted_ids=preempted, bank=bank)
     slot_ids = sched.slots.req_id
     req_ids = [slot_ids[s] for s in all_slots.tolist()]
     finished = sched.slots.take_freed()
@@ -188,4 +230,6 @@ def build_step(sched: StepHost, now: float) -> StepPlan:
         new_seqs=new_seqs,
         finished_slots=finished,
         preempted_ids=preempted,
+        bank=bank,
+        ahead_slots=ahead,
     )

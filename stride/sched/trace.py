@@ -6,7 +6,8 @@ Records, in call order, each with ``kind`` and the logical time ``now`` where it
 - ``config``: ``scheduler`` and ``cache`` (SchedulerConfig / CacheConfig as dicts), ``eos_token_ids``;
 - ``add``: ``req_id, tenant, prompt, params, service_class, rejected`` (None or the reason);
 - ``abort``: ``req_id``;
-- ``schedule``: ``step`` and ``decisions`` (:meth:`StepPlan.decisions`);
+- ``schedule``: ``step`` and ``decisions`` (:meth:`StepPlan.decisions`); ``ahead: true`` for a step built while
+  the one before was in flight (:meth:`Scheduler.schedule_ahead`; only steps it built are recorded);
 - ``update``: ``step`` and ``sampled`` (the step's sampled ids, -1 where a row did not sample); ``stop_rows``
   where some rows ended because their output's grammar was complete.
 """

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from hashlib import blake2b
+from typing import Protocol
 
 import numpy as np
 
 from stride.ipc.messages import StepDescriptor
-from stride.sched.plan import StepArraysLike
+
+
+class StepRows(Protocol):
+    """What the simulated step reads of one bank of the step arrays."""
+
+    seq_slots: np.ndarray
+    context_lens: np.ndarray
+    sample_flags: np.ndarray
+
 
 StepTimeFn = Callable[[int, int, int], float]
 """(num_tokens, num_seqs, context_tokens) -> modelled seconds of one step."""
@@ -68,7 +77,7 @@ class SimBackend:
             toks = np.where(toks == eos, (toks + 1) % self.vocab_size, toks)
         return toks
 
-    def run(self, desc: StepDescriptor, buffers: StepArraysLike, sampled_ids: np.ndarray) -> float:
+    def run(self, desc: StepDescriptor, buffers: StepRows, sampled_ids: np.ndarray) -> float:
         """Apply the descriptor's deltas, write ``sampled_ids`` (row ``i`` = the i-th scheduled sequence;
         -1 where it does not sample) and return the modelled step time in seconds."""
         for slot in desc.finished_slots:

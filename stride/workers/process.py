@@ -25,7 +25,7 @@ import zmq
 
 from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig
 from stride.ipc import messages as m
-from stride.ipc.layouts import MAX_TOP_LOGPROBS, MaskBuffer, StepBuffers, StepLayout
+from stride.ipc.layouts import MAX_TOP_LOGPROBS, MaskBuffer, StepBank, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class ModelStepper:
         """Whether the last step replayed a decode graph."""
         return self.runner.last_step_graphed
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers,
+    def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         """Run one step; returns the sequences that failed alone (their rows sample nothing). ``masks(step)``:
         waits until the scheduler wrote the step's bitmask rows (structured outputs) and returns the bitmask
@@ -156,7 +156,7 @@ class ModelStepper:
         if self.sampler.params(slot) is not None:
             self.sampler.remove(slot)
 
-    def _collect(self, buf: StepBuffers, n: int) -> None:
+    def _collect(self, buf: StepBank, n: int) -> None:
         starts = np.concatenate([[0], np.cumsum(buf.query_lens[:n])])
         for i, slot in enumerate(buf.seq_slots[:n].tolist()):
             hist = self._history.get(slot)
@@ -186,7 +186,7 @@ class SimStepper:
 
     graphed = False
 
-    def run(self, desc: m.StepDescriptor, buf: StepBuffers,
+    def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
         if desc.masked_rows and masks is not None:  # a masked row takes its lowest allowed id instead
@@ -301,9 +301,10 @@ def run(config: StrideConfig, rank: int = 0) -> int:
             assert isinstance(msg, m.StepDescriptor)
             if buf is None:  # the launcher makes the segments after this rank reported ready
                 buf = StepBuffers.attach(config.ipc, layout)
+            step_buf = buf.bank(msg.bank).step_inputs(msg.num_tokens, msg.ahead, buf.bank(1 - msg.bank))
             try:
                 with timer:
-                    failed = stepper.run(msg, buf, masks_of)
+                    failed = stepper.run(msg, step_buf, masks_of)
             except _Stopped:
                 return 0
             except Exception as e:  # the scheduler fails the requests and the launcher shuts down

@@ -188,7 +188,7 @@ def test_step_buffers_create_attach_close(ipc: IpcConfig) -> None:
     made.token_ids[:3] = [5, 6, 7]
     assert list(seen.token_ids[:3]) == [5, 6, 7]
     seen.close()
-    assert len(launch_segments(ipc.shm_prefix)) == len(layout.fields())
+    assert len(launch_segments(ipc.shm_prefix)) == len(layout.all_fields())
     made.close()
     assert launch_segments(ipc.shm_prefix) == []
 

@@ -179,3 +179,19 @@ def test_step_timeline_counts_busy_time_only() -> None:
     u.done(2.0, 0.0, 0.0)
     u.sent(5.0)
     assert u.gap_s == 3.0
+
+
+def test_step_timeline_counts_two_steps_in_flight_once() -> None:
+    from stride.sched.stats import StepTimeline
+
+    t = StepTimeline()
+    t.sent(0.0)
+    t.sent(0.1)  # built ahead while the first runs
+    t.done(1.0, worker_s=0.9, device_s=0.8)
+    t.sent(1.05)  # the next ahead of the second: the stretch goes on, no gap
+    t.done(2.0, worker_s=0.9, device_s=0.8)
+    t.done(3.0, worker_s=0.9, device_s=0.8)
+    assert (t.steps, t.round_trip_s, t.gap_s) == (3, 3.0, 0.0)
+    t.sent(3.5)  # none in flight: a gap again
+    t.done(4.0, worker_s=0.4, device_s=0.3)
+    assert (t.round_trip_s, t.gap_s) == (3.5, 0.5)
