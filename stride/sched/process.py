@@ -18,13 +18,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
 
 from stride.config import StrideConfig
-from stride.grammar.matchers import GrammarMatchers, MatcherError
 from stride.ipc import messages as m
 from stride.ipc.layouts import MaskBuffer, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
@@ -33,6 +32,9 @@ from stride.sched.scheduler import Scheduler
 from stride.sched.stats import StepTimeline
 from stride.sched.trace import TraceWriter
 from stride.tokenizer.loader import load_tokenizer
+
+if TYPE_CHECKING:
+    from stride.grammar.matchers import GrammarMatchers
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class SchedulerLoop:
         if refusal is not None:
             return m.RequestFailed(req.req_id, refusal.status, refusal.message, refusal.reason)
         if req.grammar is not None and self.grammar is not None:
+            from stride.grammar.matchers import MatcherError  # loaded: self.grammar was built from it
+
             try:
                 self.grammar.add(req.req_id, req.grammar)
             except MatcherError as e:
@@ -184,6 +188,8 @@ class SchedulerLoop:
         stop_rows: list[int] = []
         if self.grammar is None:
             return stop_rows
+        from stride.grammar.matchers import MatcherError  # loaded: self.grammar was built from it
+
         for req_id, row in self._masked:
             tok = int(sampled[row])
             if tok < 0 or req_id not in self.grammar:  # failed alone, or aborted while in flight
@@ -225,6 +231,11 @@ def _grammar_matchers(config: StrideConfig) -> GrammarMatchers | None:
         tok = load_tokenizer(config.worker.model)
     except Exception as e:  # no tokenizer files: the server runs, structured outputs are refused
         log.warning("structured outputs off: no tokenizer for %s (%s)", config.worker.model, e)
+        return None
+    try:
+        from stride.grammar.matchers import GrammarMatchers
+    except ImportError as e:  # a broken install: the server runs, structured outputs are refused
+        log.error("structured outputs off: %s", e)
         return None
     return GrammarMatchers(tok.tokenizer.to_str(), config.facts.vocab_size, tok.eos_token_ids)
 

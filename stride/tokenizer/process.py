@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from stride.config import StrideConfig
-from stride.grammar.compile import GrammarCompiler
 from stride.ipc import messages as m
 from stride.ipc.queues import PullQueue, PushQueue
 from stride.params import CONTEXT_LENGTH_EXCEEDED, context_overflow
@@ -29,6 +28,9 @@ from stride.tokenizer.loader import ModelTokenizer, load_tokenizer
 from stride.tokenizer.stop import OutputText
 from stride.tokenizer.template import ChatTemplate, TemplateError
 from stride.tokenizer.tool_prompt import plain_messages, renders_tools
+
+if TYPE_CHECKING:
+    from stride.grammar.compile import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ class TokenizerWorker:
         self.token_bytes = token_bytes_table(tokenizer.tokenizer)
         self._token_text = [b.decode("utf-8", errors="replace") for b in self.token_bytes]
         self.pending: dict[str, _Pending] = {}
-        self.grammars = GrammarCompiler()
+        self._grammars: GrammarCompiler | None = None
+        """Made at the first constrained request: llguidance is loaded only by a server that uses it."""
 
     # -------------------------------------------------------------- in
 
@@ -76,11 +79,23 @@ class TokenizerWorker:
         grammar = None
         if req.constraint is not None:
             try:
-                grammar = self.grammars.compile(req.constraint)
+                grammar = self.grammars().compile(req.constraint)
             except ValueError as e:
                 return m.RequestFailed(req.req_id, 400, str(e), "invalid_constraint")
+            except ImportError as e:  # a broken install: structured outputs off, everything else served
+                log.error("tokenizer %d: structured outputs unavailable: %s", self.index, e)
+                return m.RequestFailed(req.req_id, 400, f"structured outputs are not available on this server "
+                                       f"({e.name or 'llguidance'} is not installed)", "invalid_constraint")
         self.pending[req.req_id] = _Pending(OutputText.create(self.token_bytes, req.params.stop), req.params)
         return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class, grammar)
+
+    def grammars(self) -> GrammarCompiler:
+        """This process's grammar compiler and its cache (``ImportError`` without llguidance)."""
+        if self._grammars is None:
+            from stride.grammar.compile import GrammarCompiler
+
+            self._grammars = GrammarCompiler()
+        return self._grammars
 
     def _prompt_ids(self, req: m.GenerateRequest) -> list[int]:
         if req.prompt_token_ids is not None:

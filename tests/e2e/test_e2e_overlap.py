@@ -34,8 +34,8 @@ def _serve(*extra: str) -> tuple[list[dict[str, Any]], float]:
     with StrideServer("--max-num-seqs", "8", "--num-blocks", "12", "--block-size", "16", "--max-model-len", "256",
                       *extra) as srv:
         def one(i: int) -> dict[str, Any]:
-            body = {"model": srv.model, "prompt": PREAMBLE + PROMPTS[i], "max_tokens": 44, "temperature": 0, "logprobs": 2,
-                    **({"stop": [".", "\n\n"]} if i % 2 else {})}
+            body = {"model": srv.model, "prompt": PREAMBLE + PROMPTS[i], "max_tokens": 44, "temperature": 0,
+                    "logprobs": 2, **({"stop": [".", "\n\n"]} if i % 2 else {})}
             status, _, data = srv.post("/v1/completions", body, timeout=300)
             assert status == 200, data
             choice: dict[str, Any] = json.loads(data)["choices"][0]

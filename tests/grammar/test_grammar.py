@@ -3,6 +3,7 @@ the matchers' bitmasks hold a random sampler to the grammar, which without them 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -152,3 +153,37 @@ def test_apply_bitmask_touches_only_masked_rows() -> None:
     assert torch.isfinite(y[1]).sum() == 2 and set(torch.isfinite(y[1]).nonzero().flatten().tolist()) == {5, 65}
     assert torch.equal(y[1, [5, 65]], x[1, [5, 65]])
     assert y[1].argmax() in (5, 65) and x.isfinite().all()  # the input is left as it was
+
+
+def test_without_llguidance_a_constrained_request_is_refused_and_the_rest_served(monkeypatch) -> None:
+    """A broken install (llguidance missing) loses structured outputs, not the tokenizer process or the scheduler's
+    matchers: a constrained request gets a 400 naming the package, a plain one is tokenized. Control: with the
+    package there, the same constraint compiles."""
+    import sys
+
+    from stride.config import IpcConfig, StrideConfig, WorkerConfig
+    from stride.ipc import messages as m
+    from stride.params import SamplingParams
+    from stride.sched.process import _grammar_matchers
+    from stride.tokenizer.process import TokenizerWorker
+
+    tok = load_tokenizer(default_model_path())
+    config = StrideConfig(ipc=IpcConfig(run_dir="/tmp", launch_id="nolg"))
+    schema = Constraint("json_schema", json.dumps(SCHEMA))
+
+    def request(constraint: Constraint | None) -> m.GenerateRequest:
+        return m.GenerateRequest("r", "t", SamplingParams(max_tokens=4), prompt="Hello", constraint=constraint)
+
+    served = dataclasses.replace(config, worker=WorkerConfig(model=default_model_path()),
+                                 facts=dataclasses.replace(config.facts, vocab_size=49152))
+    ok = TokenizerWorker(config, 0, tok).on_generate(request(schema))
+    assert isinstance(ok, m.TokenizedRequest) and ok.grammar
+    assert _grammar_matchers(served) is not None
+    for name in [n for n in sys.modules if n == "llguidance" or n.startswith(("llguidance.", "stride.grammar."))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
+    worker = TokenizerWorker(config, 0, tok)
+    refused = worker.on_generate(request(schema))
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400 and "llguidance" in refused.message
+    assert isinstance(worker.on_generate(request(None)), m.TokenizedRequest)
+    assert _grammar_matchers(served) is None
