@@ -251,6 +251,9 @@ class WorkerConfig:
     (128 by default), and run them on the W4A16 GEMM; empty or ``none``: as stored."""
     attention_backend: str = field(default_factory=env.ATTENTION_BACKEND.get)
     """``torch`` (the reference) or ``triton`` (the kernels); empty: triton on CUDA, torch elsewhere."""
+    cpu_int4: bool = field(default_factory=env.CPU_INT4.get_bool)
+    """On a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) also keep it packed, and steps
+    of up to 4 rows run on it (:mod:`stride.workers.cpu_int4`)."""
     w4a16: str = field(default_factory=env.W4A16.get)
     """Keep a GGUF's Q4 projections 4-bit on the W4A16 GEMM: ``1`` on, ``0`` off (dequantised to the run dtype);
     empty: on with the triton backend on CUDA."""

@@ -53,6 +53,10 @@ W4A16 = EnvVar(
     "STRIDE_W4A16", "",
     "Keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them through the W4A16 Triton GEMM: '1' on, '0' off "
     "(dequantise to the run dtype); default: on with the triton backend on CUDA.")
+CPU_INT4 = EnvVar(
+    "STRIDE_CPU_INT4", "1",
+    "'1' (default): on a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) keep it packed too, "
+    "and steps of up to 4 rows run torch's CPU int4 kernel on it; '0': bf16 weights only.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
@@ -70,7 +74,8 @@ TRITON_INTERPRET = EnvVar(
     "tensors. The worker sets it when it picks the triton backend without CUDA.")
 
 REGISTRY: tuple[EnvVar, ...] = (
-    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, AUTOTUNE_CACHE, PDL, TRITON_INTERPRET,
+    RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, AUTOTUNE_CACHE, PDL,
+    TRITON_INTERPRET,
 )
 
 

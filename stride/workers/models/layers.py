@@ -24,7 +24,7 @@ float32), which is also what makes a 4-bit model usable on a CPU without Triton'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
+from stride.workers.cpu_int4 import MAX_ROWS as INT4_MAX_ROWS
 
 if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
@@ -103,7 +104,12 @@ class ColumnParallelLinear(Loadable):
         offset = sum(self.output_sizes[:shard])
         self.weight.data[offset : offset + self.output_sizes[shard]].copy_(part)
 
+    int4: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """On the CPU, the weight's 4-bit grid where it has one (:mod:`stride.workers.cpu_int4`), for small steps."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
+            return self.int4(x)
         return F.linear(x, self.weight)
 
 
@@ -124,7 +130,12 @@ class RowParallelLinear(Loadable):
     def load_part(self, part: Part, shard: int = 0) -> None:
         self.weight.data.copy_(part)
 
+    int4: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """As :attr:`ColumnParallelLinear.int4`."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
+            return self.int4(x)
         return F.linear(x, self.weight)  # partial sums with tp_size > 1: the tensor-parallel pass all-reduces them
 
 
