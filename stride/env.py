@@ -55,8 +55,8 @@ W4A16 = EnvVar(
     "(dequantise to the run dtype); default: on with the triton backend on CUDA.")
 CPU_INT4 = EnvVar(
     "STRIDE_CPU_INT4", "1",
-    "'1' (default): on a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) keep it packed too, "
-    "and steps of up to 4 rows run torch's CPU int4 kernel on it; '0': bf16 weights only.")
+    "'1' (default): on a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) keep it packed "
+    "too, and steps of up to 4 rows run torch's CPU int4 kernel on it; '0': bf16 weights only.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
