@@ -66,16 +66,17 @@ def int4_grid(weight: torch.Tensor) -> Int4Weight | None:
 def attach(model: nn.Module) -> tuple[int, int]:
     """Give every dense projection of ``model`` whose weight has a 4-bit grid its packed copy (the layer then runs
     steps of up to :data:`MAX_ROWS` rows on it). Returns (projections given one, bytes they hold)."""
-    from stride.workers.models.layers import ColumnParallelLinear, RowParallelLinear
-
     if not available():
         return 0, 0
     count = nbytes = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            grid = int4_grid(module.weight.data)
+        # The dense projections (ColumnParallelLinear, RowParallelLinear) declare an ``int4`` slot; the layers
+        # import this module, so it names them by that.
+        weight = getattr(module, "weight", None)
+        if "int4" in vars(type(module)) and isinstance(weight, torch.Tensor):
+            grid = int4_grid(weight.data)
             if grid is not None:
-                module.int4 = grid
+                setattr(module, "int4", grid)  # noqa: B010 (nn.Module's typing hides the slot)
                 count += 1
                 nbytes += grid.nbytes
     return count, nbytes
