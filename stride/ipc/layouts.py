@@ -20,9 +20,10 @@ All arrays are C-contiguous, one segment each, named ``stride-<launch>-<field>``
 |                |         |         |           |           | bit each (constrained rows only; :class:`MaskBuffer`)|
 
 ``W`` = ceil(vocab / 32). The bitmask is its own segment, made once the vocabulary is known (rank 0 reports it):
-the launcher creates it after the ranks are ready. Its rows are written for the step in flight after its
-descriptor was sent, while the forward runs; :class:`~stride.ipc.messages.MasksReady` tells rank 0 they are there
-before it samples (:mod:`stride.grammar.matchers`).
+the launcher creates it after the ranks are ready. It has one bank: its rows are written for one step at a time,
+after that step's descriptor was sent (for a step built ahead, after the step before it sampled and was applied),
+while the forward runs; :class:`~stride.ipc.messages.MasksReady` tells rank 0 they are there before it samples
+(:mod:`stride.grammar.matchers`).
 
 Every field but ``block_tables`` exists twice, as two **banks** (bank 1's segments end in ``_1``): with
 overlapped scheduling the scheduler writes step ``k+1`` into one bank while the ranks read step ``k`` from the

@@ -7,8 +7,9 @@ It pulls :class:`TokenizedRequest`, :class:`AbortRequest` and rank 0's :class:`S
 :class:`StepDescriptor` to rank 0; it pushes each step's outputs to the tokenizer that owns each request,
 and refusals and :class:`SchedulerStats` to the frontend. With ``SchedulerConfig.overlap`` (the default) the next
 step is built and sent while one runs (:meth:`~stride.sched.scheduler.Scheduler.schedule_ahead`), so rank 0 finds
-it waiting when it finishes: up to two steps are in flight. Not while any request samples under a grammar: its
-mask for a step needs the token of the step before.
+it waiting when it finishes: up to two steps are in flight. A step built ahead that samples under a grammar gets
+its masks once the step before is applied (they depend on its tokens), while it runs; rank 0 waits for them only
+before it samples.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class SchedulerLoop:
         self.buffers = buffers
         self.grammar = grammar
         self.bitmask = bitmask
-        self._masked: list[tuple[str, int]] = []
-        """(req_id, row) of the step in flight's rows that sample under a mask."""
+        self._masked: dict[int, list[tuple[str, int]]] = {}
+        """Step -> (req_id, row) of its rows that sample under a mask, while it is in flight."""
+        self._filled: set[int] = set()
+        """Steps in flight whose masks are written."""
         self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
         # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
         self.routes: dict[str, tuple[int, int | None]] = {}
@@ -101,40 +104,57 @@ class SchedulerLoop:
             self.grammar.drop(req_id)
 
     def next_step(self, now: float) -> m.StepDescriptor | None:
-        """The next step to send: built now if nothing is in flight, ahead if one step is and overlapping is on
-        (and no request samples under a grammar); None if there is none."""
+        """The next step to send: built now if nothing is in flight, ahead if one step is and overlapping is on;
+        None if there is none."""
         if len(self.inflight) > 1 or not self.core.has_work():
             return None
         if self.inflight:
-            if not self.overlap or (self.grammar is not None and len(self.grammar)):
+            if not self.overlap:
                 return None
-            ahead = self.core.schedule_ahead(now)
-            if ahead is None:
+            plan = self.core.schedule_ahead(now)
+            if plan is None:
                 return None
-            self.inflight.append(ahead)
-            return ahead.descriptor()
-        plan = self.core.schedule(now)
-        if plan.num_seqs == 0:
-            return None
+        else:
+            plan = self.core.schedule(now)
+            if plan.num_seqs == 0:
+                return None
         self.inflight.append(plan)
         desc = plan.descriptor()
-        self._masked = []
         if self.grammar is not None and len(self.grammar):
             g = self.grammar
-            self._masked = [(rid, i) for i, (rid, samples) in enumerate(zip(plan.req_ids, plan.sample_flags.tolist(),
-                                                                             strict=True)) if samples and rid in g]
-            if self._masked:
-                desc = replace(desc, masked_rows=[i for _, i in self._masked])
+            masked = [(rid, i) for i, (rid, samples) in enumerate(zip(plan.req_ids, plan.sample_flags.tolist(),
+                                                                      strict=True)) if samples and rid in g]
+            if masked:
+                self._masked[plan.step] = masked
+                desc = replace(desc, masked_rows=[i for _, i in masked])
         return desc
 
     def fill_masks(self) -> m.MasksReady | None:
-        """Write the bitmask rows of the step just sent (called after its descriptor went out, so this runs while
-        the forward does); the message that tells rank 0 they are there, or None if the step has none."""
-        if not self._masked or len(self.inflight) != 1:
+        """Write the bitmask rows of the step just sent, if it was built with none before it (called after its
+        descriptor went out, so this runs while the forward does); the message that tells rank 0 they are there,
+        or None. A step built ahead gets its masks after the update of the step before (:meth:`masks_after_update`):
+        they depend on that step's tokens."""
+        if len(self.inflight) != 1:
+            return None
+        return self._fill(self.inflight[0].step)
+
+    def masks_after_update(self) -> m.MasksReady | None:
+        """After an update with a step built ahead still in flight: that step's masks, now that its matchers have
+        every token before it."""
+        return self._fill(self.inflight[0].step) if self.inflight else None
+
+    def _fill(self, step: int) -> m.MasksReady | None:
+        rows = self._masked.get(step)
+        if not rows or step in self._filled:
             return None
         assert self.grammar is not None and self.bitmask is not None
-        self.grammar.fill(self._masked, self.bitmask)
-        return m.MasksReady(self.inflight[0].step)
+        live = [(rid, row) for rid, row in rows if rid in self.grammar]
+        for rid, row in rows:
+            if rid not in self.grammar:  # ended since (grammar complete, aborted): its token will be dropped
+                self.bitmask[row] = -1
+        self.grammar.fill(live, self.bitmask)
+        self._filled.add(step)
+        return m.MasksReady(step)
 
     def on_step_done(self, done: m.StepDone, now: float) -> dict[int, list[m.TokenOutput]]:
         """The step's outputs grouped by owning tokenizer. A sequence the worker failed alone ends with an
@@ -155,7 +175,7 @@ class SchedulerLoop:
                                                                error=f"worker error: {failure.error}"))
         n = plan.num_seqs
         sampled = np.array(out.sampled_ids[:n])
-        stop_rows = self._advance_matchers(sampled, by_owner, now)
+        stop_rows = self._advance_matchers(plan.step, sampled, by_owner, now)
         batch = self.core.update(plan, sampled, now, stop_rows)
         finished = batch.finished
         if self.grammar is not None:
@@ -181,7 +201,7 @@ class SchedulerLoop:
                 del self.routes[req_id]
         return by_owner
 
-    def _advance_matchers(self, sampled: np.ndarray, by_owner: dict[int, list[m.TokenOutput]],
+    def _advance_matchers(self, step: int, sampled: np.ndarray, by_owner: dict[int, list[m.TokenOutput]],
                           now: float) -> list[int]:
         """Give each constrained row's matcher its sampled token; the rows whose grammar is now complete. A matcher
         that refuses its token (it cannot: the token was drawn under its mask) fails that request alone."""
@@ -190,7 +210,9 @@ class SchedulerLoop:
             return stop_rows
         from stride.grammar.matchers import MatcherError  # loaded: self.grammar was built from it
 
-        for req_id, row in self._masked:
+        rows = self._masked.pop(step, [])
+        self._filled.discard(step)
+        for req_id, row in rows:
             tok = int(sampled[row])
             if tok < 0 or req_id not in self.grammar:  # failed alone, or aborted while in flight
                 continue
@@ -203,7 +225,6 @@ class SchedulerLoop:
                 self.on_abort(req_id, now)
                 if route is not None:
                     by_owner[route[0]].append(m.TokenOutput(req_id, [], "error", error=str(e)))
-        self._masked = []
         return stop_rows
 
     def fail_all(self, message: str) -> dict[int, list[m.TokenOutput]]:
@@ -282,6 +303,9 @@ def run(config: StrideConfig) -> int:
             loop.timeline.done(arrived, msg.worker_s, msg.device_s, msg.graphed)
             for owner, outs in loop.on_step_done(msg, now).items():
                 to_tok[owner].put(m.StepOutputs(outs))
+            ready = loop.masks_after_update()  # the step built ahead's masks, while it runs
+            if ready is not None:
+                to_worker.put(ready)
 
         handlers: dict[type, Callable[[Any], None]] = {
             m.TokenizedRequest: tokenized,
