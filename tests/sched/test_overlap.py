@@ -237,3 +237,89 @@ def test_a_trace_recorded_with_overlap_replays(tmp_path) -> None:
     j = next(k for k, t in enumerate(records[i]["sampled"]) if t >= 0)
     records[i]["sampled"][j] = EOS
     assert not replay_records(records).ok
+
+
+def _loop_run(overlap: bool) -> tuple[dict[str, str], int]:
+    """The scheduler process's loop (no sockets) over constrained and free requests, rank 0 played by a sampler that
+    takes each masked row's lowest allowed token, from the masks as they were when their MasksReady came, and a
+    fixed token elsewhere.
+    Returns each request's text and the number of masked rows in steps built ahead."""
+    from stride.config import IpcConfig, LaunchFacts, StrideConfig, WorkerConfig
+    from stride.grammar.compile import GrammarCompiler
+    from stride.grammar.matchers import GrammarMatchers, bitmask_words
+    from stride.ipc import messages as m
+    from stride.model.files import default_model_path
+    from stride.params import Constraint
+    from stride.sched.process import SchedulerLoop
+    from stride.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    vocab = tok.tokenizer.get_vocab_size()
+    config = StrideConfig(ipc=IpcConfig(run_dir="/tmp", launch_id="ovg"),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256, overlap=overlap),
+                          cache=CacheConfig(block_size=16, num_blocks=64, check_invariants=True),
+                          worker=WorkerConfig(model=default_model_path()),
+                          facts=LaunchFacts(vocab_size=vocab, eos_token_ids=tuple(tok.eos_token_ids)))
+    buf = StepArrays(config.scheduler, config.cache)
+    bitmask = np.zeros((8, bitmask_words(vocab)), dtype=np.int32)
+    loop = SchedulerLoop(config, buf, list(tok.eos_token_ids),  # type: ignore[arg-type]
+                         grammar=GrammarMatchers(tok.tokenizer.to_str(), vocab, tok.eos_token_ids), bitmask=bitmask)
+    grammar = GrammarCompiler().compile(Constraint("regex", "(yes|no|maybe)( (yes|no|maybe)){2,4}"))
+    prompt = tok.encode("Answer:", add_special_tokens=False)
+    for i in range(6):
+        failed = loop.on_request(m.TokenizedRequest(f"r{i}", "t", prompt + [i + 5], SamplingParams(max_tokens=24), 0,
+                                                    grammar=grammar if i % 2 == 0 else None), 0.0)
+        assert failed is None
+    texts: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
+    ready: dict[int, np.ndarray] = {}  # step -> the bitmask as its MasksReady found it
+    sent: list[m.StepDescriptor] = []
+    ahead_masked = 0
+    now = 0.0
+    while loop.core.has_work() or loop.inflight:
+        while (desc := loop.next_step(now)) is not None:
+            sent.append(desc)
+            ahead_masked += len(desc.masked_rows) if desc.ahead else 0
+            got = loop.fill_masks()
+            if got is not None:
+                ready[got.step] = bitmask.copy()
+        desc = sent.pop(0)
+        bank = buf.bank(desc.bank)
+        inputs = bank.step_inputs(desc.num_tokens, desc.ahead, buf.bank(1 - desc.bank))
+        assert inputs.token_ids[:desc.num_tokens].min() >= 0
+        bank.sampled_ids[:desc.num_seqs] = np.where(bank.sample_flags[:desc.num_seqs] == 1, 1000 + desc.step % 7, -1)
+        if desc.masked_rows:
+            masks = ready.pop(desc.step)  # the masks were there before it sampled
+            for row in desc.masked_rows:
+                bits = np.unpackbits(masks[row].view(np.uint8), bitorder="little")[:vocab]
+                bank.sampled_ids[row] = int(np.argmax(bits))
+        now += 1.0
+        for outs in loop.on_step_done(m.StepDone(desc.step), now).values():
+            for out in outs:
+                assert out.finish_reason != "error", out.error
+                texts[out.req_id] += out.token_ids
+        got = loop.masks_after_update()
+        if got is not None:
+            ready[got.step] = bitmask.copy()
+    eos = set(tok.eos_token_ids)
+    return {rid: tok.tokenizer.decode([t for t in ids if t not in eos]) for rid, ids in texts.items()}, ahead_masked
+
+
+def test_constrained_rows_of_steps_built_ahead_get_their_masks_after_the_step_before() -> None:
+    import re
+
+    over, ahead_masked = _loop_run(True)
+    sync, none_ahead = _loop_run(False)
+    assert ahead_masked > 0 and none_ahead == 0
+    assert over == sync
+    for i in (0, 2, 4):
+        assert re.fullmatch(r"(yes|no|maybe)( (yes|no|maybe)){2,4}", over[f"r{i}"]), over[f"r{i}"]
+
+
+def test_masks_written_before_the_step_before_is_applied_are_caught(monkeypatch) -> None:
+    """Negative control: filling a step built ahead at once, from matchers that have not seen the step before's
+    tokens, draws tokens the grammar refuses."""
+    from stride.sched.process import SchedulerLoop
+
+    monkeypatch.setattr(SchedulerLoop, "fill_masks", lambda self: self._fill(self.inflight[-1].step))
+    with pytest.raises(AssertionError):
+        _loop_run(True)
