@@ -79,4 +79,17 @@ def attach(model: nn.Module) -> tuple[int, int]:
                 setattr(module, "int4", grid)  # noqa: B010 (nn.Module's typing hides the slot)
                 count += 1
                 nbytes += grid.nbytes
+    if count:
+        _trim_heap()
     return count, nbytes
+
+
+def _trim_heap() -> None:
+    """Give the packing's temporaries back to the system (glibc keeps freed heap otherwise: the served worker held
+    ~170 MB more than the grids' own 66 MB without this)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
