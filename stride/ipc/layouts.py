@@ -147,9 +147,9 @@ def fill_placeholders(bank: _B, num_tokens: int, ahead: bool, prev: Any) -> _B:
     replaced by ``prev.sampled_ids[r]``, the token the step before sampled there (in a copy: the shared array stays
     as the scheduler wrote it; a row that sampled nothing, as a sequence that failed alone, gives token 0 to a row
     whose output is dropped)."""
-    ids = bank.token_ids[:num_tokens]
     if not ahead:
         return bank
+    ids = bank.token_ids[:num_tokens]
     holes = ids < 0
     if not holes.any():
         return bank

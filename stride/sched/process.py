@@ -66,8 +66,6 @@ class SchedulerLoop:
         self.core = Scheduler(config.scheduler, config.cache, buffers, eos_token_ids=eos_token_ids, trace=trace)
         # req_id -> (owning tokenizer, top-N logprobs asked for or None): one entry, so it ends in one place.
         self.routes: dict[str, tuple[int, int | None]] = {}
-        self.inflight: list[StepPlan] = []
-        """Sent and not yet answered, oldest first."""
         self.overlap = config.scheduler.overlap
         self.timeline = StepTimeline()
 
@@ -103,6 +101,11 @@ class SchedulerLoop:
         if self.grammar is not None:
             self.grammar.drop(req_id)
 
+    @property
+    def inflight(self) -> list[StepPlan]:
+        """Sent and not yet answered, oldest first (the core's: every step it decided is sent)."""
+        return self.core.inflight
+
     def next_step(self, now: float) -> m.StepDescriptor | None:
         """The next step to send: built now if nothing is in flight, ahead if one step is and overlapping is on;
         None if there is none."""
@@ -118,7 +121,6 @@ class SchedulerLoop:
             plan = self.core.schedule(now)
             if plan.num_seqs == 0:
                 return None
-        self.inflight.append(plan)
         desc = plan.descriptor()
         if self.grammar is not None and len(self.grammar):
             g = self.grammar
@@ -161,7 +163,7 @@ class SchedulerLoop:
         error: it is aborted before the update, so its row's token is dropped and its blocks freed."""
         if not self.inflight or done.step != self.inflight[0].step:
             raise RuntimeError(f"StepDone for step {done.step}, in flight: {[p.step for p in self.inflight]}")
-        plan = self.inflight.pop(0)
+        plan = self.inflight[0]  # the core's update below retires it
         out = self.buffers.bank(plan.bank)
         by_owner: dict[int, list[m.TokenOutput]] = defaultdict(list)
         for failure in done.failed:
