@@ -15,7 +15,10 @@ from threading import Lock
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from stride.grammar import check_llguidance
 from stride.params import Constraint
+
+check_llguidance()
 
 CACHE_SIZE = 512
 """Compiled grammars kept per process, least recently used out first."""

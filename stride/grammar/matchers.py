@@ -19,6 +19,9 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from stride.grammar import check_llguidance
+
+check_llguidance()
 log = logging.getLogger(__name__)
 
 FRESH_CACHE_SIZE = 256

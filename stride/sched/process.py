@@ -71,8 +71,8 @@ class SchedulerLoop:
 
     def on_request(self, req: m.TokenizedRequest, now: float) -> m.RequestFailed | None:
         if req.grammar is not None and (self.grammar is None or self.bitmask is None):
-            return m.RequestFailed(req.req_id, 400, "structured outputs are not available on this server (no "
-                                   "tokenizer for its matchers)", "invalid_constraint")
+            return m.RequestFailed(req.req_id, 400, "structured outputs are not available on this server (its "
+                                   "matchers could not be built: see the scheduler's log)", "invalid_constraint")
         try:
             refusal = self.core.add_request(req.req_id, req.tenant, req.prompt_token_ids, req.params,
                                             req.service_class, now)
@@ -260,7 +260,11 @@ def _grammar_matchers(config: StrideConfig) -> GrammarMatchers | None:
     except ImportError as e:  # a broken install: the server runs, structured outputs are refused
         log.error("structured outputs off: %s", e)
         return None
-    return GrammarMatchers(tok.tokenizer.to_str(), config.facts.vocab_size, tok.eos_token_ids)
+    try:
+        return GrammarMatchers(tok.tokenizer.to_str(), config.facts.vocab_size, tok.eos_token_ids)
+    except Exception:  # llguidance refused this tokenizer: the same, with the reason in the log
+        log.exception("structured outputs off: llguidance could not take %s's tokenizer", config.worker.model)
+        return None
 
 
 def run(config: StrideConfig) -> int:

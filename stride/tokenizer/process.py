@@ -85,7 +85,7 @@ class TokenizerWorker:
             except ImportError as e:  # a broken install: structured outputs off, everything else served
                 log.error("tokenizer %d: structured outputs unavailable: %s", self.index, e)
                 return m.RequestFailed(req.req_id, 400, f"structured outputs are not available on this server "
-                                       f"({e.name or 'llguidance'} is not installed)", "invalid_constraint")
+                                       f"({e})", "invalid_constraint")
         self.pending[req.req_id] = _Pending(OutputText.create(self.token_bytes, req.params.stop), req.params)
         return m.TokenizedRequest(req.req_id, req.tenant, ids, req.params, self.index, req.service_class, grammar)
 

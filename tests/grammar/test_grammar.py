@@ -187,3 +187,46 @@ def test_without_llguidance_a_constrained_request_is_refused_and_the_rest_served
     assert isinstance(refused, m.RequestFailed) and refused.status == 400 and "llguidance" in refused.message
     assert isinstance(worker.on_generate(request(None)), m.TokenizedRequest)
     assert _grammar_matchers(served) is None
+
+
+def test_too_old_llguidance_or_a_refused_tokenizer_turns_structured_outputs_off(monkeypatch) -> None:
+    """llguidance 1.6 imports but its ``LLTokenizer`` takes one EOS id (the scheduler died on it once): a version
+    under the minimum is refused by name in both processes, and a matcher build that raises still leaves the
+    scheduler running with structured outputs off. Control: the installed version passes the check."""
+    import importlib.metadata
+    import sys
+
+    from stride.config import IpcConfig, StrideConfig, WorkerConfig
+    from stride.grammar import check_llguidance
+    from stride.ipc import messages as m
+    from stride.params import SamplingParams
+    from stride.sched import process as sched_process
+    from stride.tokenizer.process import TokenizerWorker
+
+    check_llguidance()  # the version installed here is new enough
+    tok = load_tokenizer(default_model_path())
+    config = StrideConfig(ipc=IpcConfig(run_dir="/tmp", launch_id="oldlg"))
+    served = dataclasses.replace(config, worker=WorkerConfig(model=default_model_path()),
+                                 facts=dataclasses.replace(config.facts, vocab_size=49152))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    import stride.grammar.matchers
+
+    monkeypatch.setattr(stride.grammar.matchers, "GrammarMatchers", broken)
+    assert sched_process._grammar_matchers(served) is None
+    monkeypatch.undo()
+
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "1.6.1" if name == "llguidance" else real_version(name))
+    for name in [n for n in sys.modules if n.startswith(("stride.grammar.",))]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"llguidance 1\.6\.1 is installed.*>= 1\.9"):
+        check_llguidance()
+    refused = TokenizerWorker(config, 0, tok).on_generate(
+        m.GenerateRequest("r", "t", SamplingParams(max_tokens=4), prompt="Hi",
+                          constraint=Constraint("regex", "[ab]+")))
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400 and "1.6.1" in refused.message
+    assert sched_process._grammar_matchers(served) is None
