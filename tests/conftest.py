@@ -24,6 +24,14 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Tell scripts/test.sh the session reached its end (it fails a run that stopped before, whatever the status)."""
+    done = os.environ.get("STRIDE_PYTEST_DONE")
+    if done:
+        with open(done, "w") as fh:
+            fh.write(f"{int(exitstatus)}\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not _cuda_available():
         skip = pytest.mark.skip(reason="needs CUDA")

@@ -209,3 +209,12 @@ def tp_rank_main(rank: int, size: int, init_file: str, model: str, out_dir: str,
     finally:
         tp.destroy()
     exit_spawned_rank()
+
+
+def exit_then_write(path: str) -> None:
+    """``exit_spawned_rank``, then a file written: it exists only where the call returned. (Top-level, for spawn.)"""
+    from stride.workers.parallel import exit_spawned_rank
+
+    exit_spawned_rank()
+    with open(path, "w") as fh:
+        fh.write("went on")

@@ -12,10 +12,10 @@ one rank it does nothing.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -83,11 +83,16 @@ class TensorParallel:
             dist.destroy_process_group()
 
 
-def exit_spawned_rank() -> NoReturn:
+def exit_spawned_rank() -> None:
     """End a rank process started by ``torch.multiprocessing.spawn`` that finished its work: exit now, skipping the
     interpreter's teardown. There, now and then, a gloo transport thread still running when its object is destroyed
     aborts the process ("terminate called without an active exception"; about one CI run in four on 2 CPUs, after
-    the group was left cleanly), and the spawner reports a rank that did its work as failed."""
+    the group was left cleanly), and the spawner reports a rank that did its work as failed.
+
+    Called where no process was spawned (a single rank run in the caller's own process: a test's tp=1 reference),
+    it returns: exiting there would end the caller itself, with status 0."""
+    if multiprocessing.parent_process() is None:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

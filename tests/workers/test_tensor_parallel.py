@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from worker_helpers import make_checkpoint, tp_rank_main
+from worker_helpers import exit_then_write, make_checkpoint, tp_rank_main
 
 from stride.model.files import default_model_path
 from stride.workers.attention import AttentionContext, AttentionMetadata, TorchPagedAttention
@@ -138,3 +138,16 @@ def test_ranks_under_gloo_match_one_rank_layer_by_layer(preset: str, size: int, 
     # Negative control: rank 1 holding a wrong slice of one projection fails at that first layer already.
     bad = _run_ranks(size, model, tmp_path, corrupt=True)
     assert rel_err(bad["layers"][0], one["layers"][0]) > 1e-2
+
+
+def test_exit_spawned_rank_ends_a_spawned_rank_and_returns_in_the_caller(tmp_path: Path) -> None:
+    """A spawned rank exits at once with status 0; the process that runs a rank itself (the tp=1 reference above)
+    goes on: exiting there once ended the whole test run early with status 0."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=exit_then_write, args=(str(tmp_path / "child"),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0 and not (tmp_path / "child").exists()
+    exit_then_write(str(tmp_path / "caller"))
+    assert (tmp_path / "caller").read_text() == "went on"
