@@ -83,6 +83,12 @@ class ModelStepper:
         """Whether the last step replayed a decode graph."""
         return self.runner.last_step_graphed
 
+    @staticmethod
+    def _upload(arr: np.ndarray, device: Any) -> Any:
+        from stride.workers.sampling import upload  # torch-side: not loaded with the simulated backend
+
+        return upload(arr, device)
+
     def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         """Run one step; returns the sequences that failed alone (their rows sample nothing). ``masks(step)``:
@@ -118,8 +124,10 @@ class ModelStepper:
         allowed = None
         if desc.masked_rows and masks is not None:
             allowed = self._allowed(desc, rows, masks(desc.step))
-        # Every row samples in a decode step: no gather (an index from the host would wait for the forward).
-        res = self.sampler.sample(logits if len(rows) == n else logits[rows], slots, allowed=allowed)
+        # Every row samples in a decode step: no gather. Elsewhere the rows' index goes up through pinned memory (a
+        # host index would wait for the forward).
+        picked = logits if len(rows) == n else logits[self._upload(rows, logits.device)]
+        res = self.sampler.sample(picked, slots, allowed=allowed)
         buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
         if res.logprobs is not None:
             buf.logprobs[rows] = res.logprobs.cpu().numpy()
@@ -132,14 +140,11 @@ class ModelStepper:
     def _allowed(self, desc: m.StepDescriptor, rows: np.ndarray, bitmask: np.ndarray) -> tuple[Any, Any]:
         """(positions among the sampled ``rows``, their bitmask rows on the device) of the masked rows that still
         sample (a row whose sequence failed alone does not)."""
-        import torch
-
         masked = np.asarray(desc.masked_rows, dtype=np.int64)
         pos = np.searchsorted(rows, masked)
         keep = (pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == masked)
         device = self.runner.device
-        bits = torch.from_numpy(np.ascontiguousarray(bitmask[masked[keep]])).to(device)
-        return torch.as_tensor(pos[keep], device=device), bits
+        return self._upload(pos[keep], device), self._upload(bitmask[masked[keep]], device)
 
     def _join(self, slot: int, req_id: str, failed: dict[int, m.SequenceFailure], params: Any,
               prompt: Any, output: Any = ()) -> None:

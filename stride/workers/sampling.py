@@ -64,6 +64,17 @@ class SampleResult:
     top_logprobs: torch.Tensor | None = None  # [num_seqs, n] float32
 
 
+def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A copy of a host array on ``device`` that does not wait for the stream. A plain copy from pageable memory
+    synchronises with the stream, so the host work after it (the rest of the sampler) would start only once the
+    forward had finished; through pinned memory it is queued behind the forward and the host goes on (the caching
+    host allocator keeps the pinned block until the copy is done). The copy is taken now: ``arr`` may change."""
+    host = torch.from_numpy(np.array(arr, copy=True))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Per-slot sampling state for up to ``max_num_seqs`` concurrent sequences.
 
@@ -164,9 +175,9 @@ class Sampler:
         if not keep.any() or self._output_counts is None:
             return
         tokens = torch.as_tensor(token_ids, device=self.device).long()
-        idx = torch.as_tensor(slot_arr, device=self.device)
+        idx = self._upload(slot_arr)
         if not keep.all():
-            sel = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+            sel = self._upload(np.flatnonzero(keep))
             idx, tokens = idx[sel], tokens[sel]
         ones = torch.ones_like(tokens, dtype=self._output_counts.dtype)
         self._output_counts.index_put_((idx, tokens), ones, accumulate=True)
@@ -209,7 +220,7 @@ class Sampler:
             raise KeyError(f"sampling a free slot among {slot_list}")
         host = self._table[slot_arr]
         self._sync_table()
-        slot_idx = torch.as_tensor(slot_arr, device=self.device)
+        slot_idx = self._upload(slot_arr)
         cols = self._table_dev[slot_idx]
 
         result_logprobs = top_ids = top_logprobs = None
@@ -228,7 +239,7 @@ class Sampler:
         else:
             sampled = self._draw(x, slot_arr, host, cols)
             if greedy.any():
-                greedy_dev = torch.as_tensor(greedy, device=self.device)
+                greedy_dev = self._upload(greedy)
                 token_ids = torch.where(greedy_dev, x.argmax(dim=-1), sampled)
             else:
                 token_ids = sampled
@@ -246,13 +257,16 @@ class Sampler:
         applied (what greedy takes the argmax of and temperature divides); for tests and debugging."""
         slot_arr = np.asarray(list(slots), dtype=np.int64)
         self._sync_table()
-        slot_idx = torch.as_tensor(slot_arr, device=self.device)
+        slot_idx = self._upload(slot_arr)
         return self._penalized(logits, slot_arr, slot_idx, self._table_dev[slot_idx])
 
     def _sync_table(self) -> None:
         if self._table_dirty:
-            self._table_dev.copy_(torch.from_numpy(self._table))
+            self._table_dev.copy_(self._upload(self._table))
             self._table_dirty = False
+
+    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+        return upload(arr, self.device)
 
     def _penalized(self, logits: torch.Tensor, slot_arr: np.ndarray, slot_idx: torch.Tensor,
                    cols: torch.Tensor) -> torch.Tensor:
