@@ -22,6 +22,7 @@ import numpy as np
 from stride.grammar import check_llguidance
 
 check_llguidance()
+
 log = logging.getLogger(__name__)
 
 FRESH_CACHE_SIZE = 256

@@ -83,12 +83,6 @@ class ModelStepper:
         """Whether the last step replayed a decode graph."""
         return self.runner.last_step_graphed
 
-    @staticmethod
-    def _upload(arr: np.ndarray, device: Any) -> Any:
-        from stride.workers.sampling import upload  # torch-side: not loaded with the simulated backend
-
-        return upload(arr, device)
-
     def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         """Run one step; returns the sequences that failed alone (their rows sample nothing). ``masks(step)``:
@@ -126,7 +120,7 @@ class ModelStepper:
             allowed = self._allowed(desc, rows, masks(desc.step))
         # Every row samples in a decode step: no gather. Elsewhere the rows' index goes up through pinned memory (a
         # host index would wait for the forward).
-        picked = logits if len(rows) == n else logits[self._upload(rows, logits.device)]
+        picked = logits if len(rows) == n else logits[self.sampler.upload(rows)]
         res = self.sampler.sample(picked, slots, allowed=allowed)
         buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
         if res.logprobs is not None:
@@ -143,8 +137,7 @@ class ModelStepper:
         masked = np.asarray(desc.masked_rows, dtype=np.int64)
         pos = np.searchsorted(rows, masked)
         keep = (pos < len(rows)) & (rows[np.minimum(pos, len(rows) - 1)] == masked)
-        device = self.runner.device
-        return self._upload(pos[keep], device), self._upload(bitmask[masked[keep]], device)
+        return self.sampler.upload(pos[keep]), self.sampler.upload(bitmask[masked[keep]])
 
     def _join(self, slot: int, req_id: str, failed: dict[int, m.SequenceFailure], params: Any,
               prompt: Any, output: Any = ()) -> None:

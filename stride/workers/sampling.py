@@ -69,10 +69,10 @@ def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     synchronises with the stream, so the host work after it (the rest of the sampler) would start only once the
     forward had finished; through pinned memory it is queued behind the forward and the host goes on (the caching
     host allocator keeps the pinned block until the copy is done). The copy is taken now: ``arr`` may change."""
-    host = torch.from_numpy(np.array(arr, copy=True))
+    host = torch.from_numpy(np.ascontiguousarray(arr))
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return host.clone()
+    return host.pin_memory().to(device, non_blocking=True)  # pin_memory copies
 
 
 class Sampler:
@@ -175,9 +175,9 @@ class Sampler:
         if not keep.any() or self._output_counts is None:
             return
         tokens = torch.as_tensor(token_ids, device=self.device).long()
-        idx = self._upload(slot_arr)
+        idx = self.upload(slot_arr)
         if not keep.all():
-            sel = self._upload(np.flatnonzero(keep))
+            sel = self.upload(np.flatnonzero(keep))
             idx, tokens = idx[sel], tokens[sel]
         ones = torch.ones_like(tokens, dtype=self._output_counts.dtype)
         self._output_counts.index_put_((idx, tokens), ones, accumulate=True)
@@ -220,7 +220,7 @@ class Sampler:
             raise KeyError(f"sampling a free slot among {slot_list}")
         host = self._table[slot_arr]
         self._sync_table()
-        slot_idx = self._upload(slot_arr)
+        slot_idx = self.upload(slot_arr)
         cols = self._table_dev[slot_idx]
 
         result_logprobs = top_ids = top_logprobs = None
@@ -239,7 +239,7 @@ class Sampler:
         else:
             sampled = self._draw(x, slot_arr, host, cols)
             if greedy.any():
-                greedy_dev = self._upload(greedy)
+                greedy_dev = self.upload(greedy)
                 token_ids = torch.where(greedy_dev, x.argmax(dim=-1), sampled)
             else:
                 token_ids = sampled
@@ -257,15 +257,16 @@ class Sampler:
         applied (what greedy takes the argmax of and temperature divides); for tests and debugging."""
         slot_arr = np.asarray(list(slots), dtype=np.int64)
         self._sync_table()
-        slot_idx = self._upload(slot_arr)
+        slot_idx = self.upload(slot_arr)
         return self._penalized(logits, slot_arr, slot_idx, self._table_dev[slot_idx])
 
     def _sync_table(self) -> None:
         if self._table_dirty:
-            self._table_dev.copy_(self._upload(self._table))
+            self._table_dev.copy_(self.upload(self._table))
             self._table_dirty = False
 
-    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+    def upload(self, arr: np.ndarray) -> torch.Tensor:
+        """``arr`` on this sampler's device, queued without waiting for the stream (:func:`upload`)."""
         return upload(arr, self.device)
 
     def _penalized(self, logits: torch.Tensor, slot_arr: np.ndarray, slot_idx: torch.Tensor,
