@@ -73,6 +73,16 @@ def check_cache(
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
 
 
+def out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The launchers' output: a new tensor like q, or the caller's (q's shape, dtype and device, head_dim
+    contiguous: the kernels store through its first two strides)."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device, "out must be like q"
+    assert out.stride(-1) == 1, "out must be contiguous in head_dim"
+    return out
+
+
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
     page = cache.shape[1]
     blocks = block_row[: (length + page - 1) // page].long()

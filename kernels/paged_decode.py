@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import dot, dot_args, pdl_args, pdl_wait
-from kernels.paged_common import LOG2E, check_cache, pv, split_p
+from kernels.paged_common import LOG2E, check_cache, out_like, pv, split_p
 from kernels.paged_extend import paged_extend_reference
 from kernels.sizes import next_pow2
 
@@ -147,8 +147,10 @@ def paged_decode(
     scale: float,
     max_context_len: int | None = None,
     config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (num_seqs, num_heads, head_dim); context_lens: int32 (num_seqs,), each >= 1. Returns like q.
+    """q: (num_seqs, num_heads, head_dim); context_lens: int32 (num_seqs,), each >= 1. Returns like q (``out``
+    when given: a tensor of q's shape and dtype, rows of a larger one allowed).
 
     max_context_len bounds the splits; pass it (host-known, or an upper bound for graph capture) to
     avoid a device sync.
@@ -159,7 +161,7 @@ def paged_decode(
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     assert block_tables.shape[0] >= num_seqs and context_lens.shape == (num_seqs,)
     assert context_lens.dtype == torch.int32
-    out = torch.empty_like(q)
+    out = out_like(q, out)
     if num_seqs == 0:
         return out
     if max_context_len is None:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import dot, dot_args
-from kernels.paged_common import LOG2E, check_cache, gather_kv, pv, split_p
+from kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p
 from kernels.sizes import next_pow2
 
 
@@ -91,8 +91,10 @@ def paged_extend(
     scale: float,
     max_query_len: int | None = None,
     config: ExtendConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (num_tokens, num_heads, head_dim); cu_query_lens: int32 (num_seqs+1,).
+    """q: (num_tokens, num_heads, head_dim); cu_query_lens: int32 (num_seqs+1,). Returns like q (``out`` when
+    given: a tensor of q's shape and dtype, rows of a larger one allowed).
 
     context_lens: int32 (num_seqs,), each >= its query_len. Pass max_query_len (host-known) to skip a sync.
     """
@@ -102,7 +104,7 @@ def paged_extend(
     assert cu_query_lens.shape == (num_seqs + 1,) and cu_query_lens.dtype == torch.int32
     assert context_lens.dtype == torch.int32 and block_tables.shape[0] >= num_seqs
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = out_like(q, out)
     if num_seqs == 0 or num_tokens == 0:
         return out
     if max_query_len is None:

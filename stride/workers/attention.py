@@ -40,6 +40,11 @@ class AttentionMetadata:
     context_lens_cpu: np.ndarray
     max_query_len: int
     max_context_len: int
+    num_decodes: int = 0
+    """In a step that also has longer queries: how many sequences at its head have a query of one token (the
+    scheduler puts decodes first). A backend may attend to those apart, as a decode-only step (0: not split)."""
+    extend_start_loc: torch.Tensor | None = None
+    """With ``num_decodes``: ``query_start_loc`` of the sequences after them, from 0 (int32, on the device)."""
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +83,8 @@ class AttentionMetadata:
         slot_mapping = tables[seq_of_token, pos // block_size].long() * block_size + pos % block_size
         starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=starts[1:])
+        max_query_len = int(query_lens.max())
+        num_decodes = int(np.argmax(query_lens != 1)) if max_query_len > 1 else 0
         return AttentionMetadata(
             block_size=block_size,
             slot_mapping=slot_mapping,
@@ -87,8 +94,10 @@ class AttentionMetadata:
             block_tables=tables,
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
-            max_query_len=int(query_lens.max()),
+            max_query_len=max_query_len,
             max_context_len=int(context_lens.max()),
+            num_decodes=num_decodes,
+            extend_start_loc=torch.from_numpy(starts[num_decodes:] - num_decodes).to(device) if num_decodes else None,
         )
 
 

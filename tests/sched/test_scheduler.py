@@ -121,6 +121,9 @@ def test_chunked_prefill_does_not_stall_decodes() -> None:
     while "long" not in sched.requests or sched.requests["long"].first_token_time is None:
         plan, updates, now = step(sched, buf, backend, now)
         rows = dict(zip(plan.req_ids, plan.query_lens.tolist(), strict=True))
+        # The decodes lead the step (the Triton backend attends to that head apart from the chunks).
+        q = plan.query_lens.tolist()
+        assert q[:8] == [1] * 8 and all(n > 1 for n in q[8:]), q
         # Every decoding sequence gets exactly one token in every step of the long prefill.
         assert all(rows[f"d{i}"] == 1 for i in range(8)), rows
         assert {u.req_id for u in updates} >= {f"d{i}" for i in range(8)}

@@ -65,6 +65,22 @@ def _paged_case(seed: int, ctx_lens: list[int], q_lens: list[int], block_size: i
     return backend, q, k_cache, v_cache, meta, scale, expected
 
 
+def test_metadata_counts_the_decodes_at_a_mixed_steps_head() -> None:
+    def build(q_lens: list[int]) -> AttentionMetadata:
+        ctx = np.array(q_lens) + 3
+        pos = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx, strict=True)])
+        return AttentionMetadata.build(pos, np.array(q_lens), ctx, torch.zeros(len(q_lens), 4, dtype=torch.int32), 4)
+
+    mixed = build([1, 1, 5, 1, 3])
+    assert mixed.num_decodes == 2 and mixed.extend_start_loc is not None
+    assert mixed.extend_start_loc.tolist() == [0, 5, 6, 9]  # the chunks' rows, from 0
+    assert mixed.query_start_loc.tolist() == [0, 1, 2, 7, 8, 11]
+    # Decode-only steps, and steps that do not lead with a decode, are not split.
+    for q_lens in ([1, 1, 1], [5, 1, 1], [4]):
+        meta = build(q_lens)
+        assert meta.num_decodes == 0 and meta.extend_start_loc is None, q_lens
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_paged_equals_dense_over_shuffled_blocks(seed: int) -> None:
     # Decodes (q_len 1) up to 64 pages, a prefill chunk on a cached prefix, a fresh prefill, odd lengths.

@@ -216,9 +216,9 @@ def test_worker_call_sites_get_the_cached_configs(
     # Eager: the decode graphs would pad the 3 rows to 4 (the same buckets, so the same configs).
     tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
                       cuda_graphs=False)
-    # The second step (2 sequences, chunks of up to 21 tokens, longest context 37: bucket b2-q32-ctx64) and the
-    # decode-only steps' SiLU-mul (3 rows).
-    _put(cache, specs.PAGED_EXTEND, FAKE_GPU, specs.ExtendShape(2, 4, 2, 16, 4, 21, 37, torch.float32), EXTEND_CFG)
+    # The second step's chunk (after its one decode: 1 sequence, 21 tokens, context 37: bucket b1-q32-ctx64) and
+    # the decode-only steps' SiLU-mul (3 rows).
+    _put(cache, specs.PAGED_EXTEND, FAKE_GPU, specs.ExtendShape(1, 4, 2, 16, 4, 21, 37, torch.float32), EXTEND_CFG)
     _put(cache, specs.SILU_MUL, FAKE_GPU, specs.SiluShape(3, tri.args.intermediate_size, torch.float32), SILU_CFG)
     cache.save()
     kernel_configs.forget()
@@ -232,8 +232,9 @@ def test_worker_call_sites_get_the_cached_configs(
     want = steps.run(ref)
     got = steps.run(tri)
     n = tri.args.num_layers
-    assert decodes == [(3, DECODE_CFG)] * (2 * n)
-    assert extends == [(36, None)] * n + [(22, EXTEND_CFG)] * n + [(11, None)] * n
+    # Steps 2 and 3 lead with 1 and 2 decodes (their own buckets, none cached), attended apart from the chunks.
+    assert decodes == [(1, None)] * n + [(2, None)] * n + [(3, DECODE_CFG)] * (2 * n)
+    assert extends == [(36, None)] * n + [(21, EXTEND_CFG)] * n + [(9, None)] * n
     per_step = 2 * n + 1
     assert [rows for rows, _ in norms] == [r for r in (36, 22, 11, 3, 3) for _ in range(per_step)]
     assert all(cfg == (NORM_CFG if rows == 3 else None) for rows, cfg in norms)
