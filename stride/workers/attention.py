@@ -13,8 +13,8 @@ cache (layout in :mod:`stride.workers.kv_cache`). Each layer first writes all of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class AttentionMetadata:
     scheduler puts decodes first). A backend may attend to those apart, as a decode-only step (0: not split)."""
     extend_start_loc: torch.Tensor | None = None
     """With ``num_decodes``: ``query_start_loc`` of the sequences after them, from 0 (int32, on the device)."""
+    memo: dict[str, Any] = field(default_factory=dict)
+    """What a backend derives from this metadata once per step and every layer reuses (index tensors, masks)."""
 
     @property
     def num_seqs(self) -> int:
@@ -156,55 +158,71 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        plan = meta.memo.get("torch")
+        if plan is None:
+            plan = meta.memo["torch"] = _TorchPlan.build(meta, q.device)
+        if plan.decode_only:  # every token is its sequence's one query, in order: no gather or scatter of q
+            return _sdpa(q[:, None], *_gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len),
+                         plan.decode_mask, scale)[:, 0]
         out = torch.empty_like(q)
+        if plan.decode_tokens is not None:
+            k, v = _gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len)
+            out[plan.decode_tokens] = _sdpa(q[plan.decode_tokens][:, None], k, v, plan.decode_mask, scale)[:, 0]
+        for lo, hi, blocks, ctx, allowed in plan.chunks:
+            k, v = _gather(k_cache, v_cache, blocks, ctx)
+            out[lo:hi] = _sdpa(q[None, lo:hi], k, v, allowed, scale)[0]
+        return out
+
+
+@dataclass
+class _TorchPlan:
+    """The reference backend's per-step index tensors and masks, built at the first layer and reused by the rest."""
+
+    decode_only: bool
+    decode_tokens: torch.Tensor | None
+    """Rows of q that are decodes (None: there are none)."""
+    decode_blocks: torch.Tensor
+    """(decodes, blocks) int64 block ids covering ``decode_len`` keys."""
+    decode_len: int
+    decode_mask: torch.Tensor
+    """(decodes, 1, decode_len) bool: key j visible to decode i."""
+    chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]
+    """Per prefill chunk: its rows of q ``lo:hi``, (1, blocks) block ids, context length, (1, L, ctx) mask."""
+
+    @staticmethod
+    def build(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
+        bs = meta.block_size
+        starts = meta.query_start_loc.cpu().numpy()
         decode = np.flatnonzero(meta.query_lens_cpu == 1)
-        starts = (
-            meta.query_start_loc.cpu().numpy() if q.device.type != "cpu" else meta.query_start_loc.numpy()
-        )
+        decode_only = len(decode) == meta.num_seqs
+        tokens = None
+        blocks = mask = torch.empty(0, dtype=torch.long, device=device)
+        length = 0
         if len(decode):
-            rows = torch.from_numpy(decode).to(q.device)
-            tokens = torch.from_numpy(starts[decode]).to(q.device)
-            out[tokens] = self._decode(
-                q[tokens],
-                k_cache,
-                v_cache,
-                meta.block_tables[rows],
-                meta.context_lens[rows],
-                int(meta.context_lens_cpu[decode].max()),
-                scale,
-            )
+            rows = torch.from_numpy(decode).to(device)
+            if not decode_only:
+                tokens = torch.from_numpy(starts[decode].astype(np.int64)).to(device)
+            length = int(meta.context_lens_cpu[decode].max())
+            tables = meta.block_tables if decode_only else meta.block_tables[rows]
+            blocks = tables[:, : -(-length // bs)].long()
+            lens = meta.context_lens if decode_only else meta.context_lens[rows]
+            mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, :]
+        chunks = []
         for i in np.flatnonzero(meta.query_lens_cpu > 1):
             lo, hi = int(starts[i]), int(starts[i + 1])
             ctx = int(meta.context_lens_cpu[i])
-            k, v = _gather(k_cache, v_cache, meta.block_tables[i : i + 1], ctx)
-            allowed = torch.arange(ctx, device=q.device)[None, :] <= meta.positions[lo:hi, None]
-            out[lo:hi] = _sdpa(q[None, lo:hi], k, v, allowed[None], scale)[0]
-        return out
-
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        max_len: int,
-        scale: float,
-    ) -> torch.Tensor:
-        k, v = _gather(k_cache, v_cache, tables, max_len)
-        allowed = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
-        return _sdpa(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
+            allowed = torch.arange(ctx, device=device)[None, :] <= meta.positions[lo:hi, None]
+            chunks.append((lo, hi, meta.block_tables[i : i + 1, : -(-ctx // bs)].long(), ctx, allowed[None]))
+        return _TorchPlan(decode_only, tokens, blocks, length, mask, chunks)
 
 
 def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, length: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, length, num_kv_heads, head_dim) keys and values of the blocks named by ``tables`` (n rows)."""
-    n = tables.shape[0]
-    num_blocks = -(-length // k_cache.shape[1])
-    idx = tables[:, :num_blocks].long()
-    k = k_cache[idx].reshape(n, -1, *k_cache.shape[2:])[:, :length]
-    v = v_cache[idx].reshape(n, -1, *v_cache.shape[2:])[:, :length]
+    """(n, length, num_kv_heads, head_dim) keys and values of the (n, blocks) int64 block ids ``blocks``."""
+    n = blocks.shape[0]
+    k = k_cache[blocks].reshape(n, -1, *k_cache.shape[2:])[:, :length]
+    v = v_cache[blocks].reshape(n, -1, *v_cache.shape[2:])[:, :length]
     return k, v
 
 

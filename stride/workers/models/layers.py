@@ -369,6 +369,11 @@ class Rope(nn.Module):
             return q, k
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Unfused path: ``x`` (num_tokens, heads, head_dim) rotated into a new tensor (q's and k's heads at once:
+        the same bits as :meth:`forward` on each, elementwise)."""
+        return apply_rope(x, cos, sin)
+
     def rotate_into_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

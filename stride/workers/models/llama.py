@@ -52,17 +52,18 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = ctx.k_caches[self.layer_id], ctx.v_caches[self.layer_id]
+        v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
         # Write first, for every sequence of the step, then attend: shared prefix blocks are then complete.
         if self.rope.fused:  # one launch rotates and writes the cache (two index_puts fewer per layer)
+            q = qkv[:, : heads * dim].view(num_tokens, heads, dim)
+            k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)
             self.rope.rotate_into_cache(q, k, v, cos, sin, k_cache, v_cache, ctx.meta.slot_mapping)
-        else:
-            q, k = self.rope(q, k, cos, sin)
+        else:  # q's and k's heads side by side in qkv: rotated as one tensor (half the small ops of two)
+            qk = self.rope.rotate(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
