@@ -9,6 +9,7 @@ it only writes where the step's block tables say.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from stride.planner.geometry import ModelGeometry
@@ -34,12 +35,23 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, max(1, args.num_kv_heads // tp_size), args.head_dim)
         # Zeros, not empty: a masked-out read of a never-written slot must not meet NaN (0 * NaN = NaN).
-        self.k_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
-        self.v_caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
+        self.k_caches = [_zeros(shape, device, dtype) for _ in range(args.num_layers)]
+        self.v_caches = [_zeros(shape, device, dtype) for _ in range(args.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed pool tensor. In host memory through calloc (numpy's zeros), whose fresh pages are the kernel's
+    zero pages until written, so a block costs resident memory only once a sequence has used it (``torch.zeros``
+    writes every page at start: the default model's whole 0.35 GiB pool resident before the first request)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros((*shape[:-1], shape[-1] * elem), dtype=np.uint8))
+    return raw.view(dtype)
 
 
 def block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:

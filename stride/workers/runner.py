@@ -8,6 +8,7 @@ reads them, and copies just the rows and columns of the block tables this step n
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,9 @@ class ModelRunner:
                                            free_device_bytes(self.device, worker.gpu_memory_utilization))
         self.model = load_model(worker.model, self.device, self.dtype, progress, tp_rank=config.tp_rank,
                                 tp_size=tp_size, w4a16=self.w4a16, quantize_group=group)
+        # The GGUF reader's memory map sits in reference cycles: unmapped now, not at some later collection (on the
+        # CPU the default model's file stayed 96 MB resident in the worker).
+        gc.collect()
         apply_tensor_parallel(self.model, self.tp)
         self.args = self.model.args
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing

@@ -124,7 +124,10 @@ class Transformer(nn.Module):
         self.lm_head = VocabParallelHead(args.hidden_size, args.vocab_size, tp_rank, tp_size)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", args.inv_freq(), persistent=False)
+        # Its values come in init_buffers: computed here, on the meta device the loader builds on, the division
+        # would go through torch's reference decompositions, which import torch._dynamo and with it Triton
+        # (66 MB resident in a CPU worker that never runs it).
+        self.register_buffer("inv_freq", torch.empty(args.head_dim // 2), persistent=False)
         self.extra_rules: list[tuple[str, str, int]] = []
         """Family-specific checkpoint name rules (Mixtral's experts), same form as ``_LAYER_RULES``."""
 
