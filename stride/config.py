@@ -254,6 +254,9 @@ class WorkerConfig:
     cpu_int4: bool = field(default_factory=env.CPU_INT4.get_bool)
     """On a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) also keep it packed, and steps
     of up to 4 rows run on it (:mod:`stride.workers.cpu_int4`)."""
+    cpu_int8_head: bool = field(default_factory=env.CPU_INT8_HEAD.get_bool)
+    """On a CPU in bf16, the output projection also keeps an int8 copy with a scale per vocabulary row, and steps of
+    up to 4 rows compute their logits on it (:func:`stride.workers.cpu_int4.attach_head`)."""
     w4a16: str = field(default_factory=env.W4A16.get)
     """Keep a GGUF's Q4 projections 4-bit on the W4A16 GEMM: ``1`` on, ``0`` off (dequantised to the run dtype);
     empty: on with the triton backend on CUDA."""

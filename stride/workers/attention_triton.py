@@ -63,7 +63,10 @@ class TritonPagedAttention(TorchPagedAttention):
                 config=configs.decode(d, num_heads, num_kv_heads, head_dim, block_size, max_ctx, q.dtype),
                 out=out[:d],
             )
-        assert d == 0 or meta.extend_start_loc is not None
+        starts = meta.query_start_loc
+        if d:
+            assert meta.extend_start_loc is not None
+            starts = meta.extend_start_loc
         config = configs.extend(
             num_seqs - d, num_heads, num_kv_heads, head_dim, block_size, meta.max_query_len,
             int(meta.context_lens_cpu[d:].max()) if d else meta.max_context_len, q.dtype,
@@ -73,7 +76,7 @@ class TritonPagedAttention(TorchPagedAttention):
             k_cache,
             v_cache,
             meta.block_tables[d:],
-            meta.extend_start_loc if d else meta.query_start_loc,
+            starts,
             meta.context_lens[d:],
             scale,
             meta.max_query_len,

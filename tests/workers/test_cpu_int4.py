@@ -1,6 +1,7 @@
-"""The CPU's 4-bit path: a bf16 weight on a 4-bit grid (what a GGUF Q4_1 dequantises to) keeps that grid packed and
-small steps run on it, giving what the bf16 weight gives; a weight off any grid is left alone; the default model
-decodes greedily to the same tokens either way, but where its top two are near-tied."""
+"""The CPU's small-step weights: a bf16 weight on a 4-bit grid (what a GGUF Q4_1 dequantises to) keeps that grid packed
+and small steps run on it, giving what the bf16 weight gives; a weight off any grid is left alone; the output
+projection's int8 copy stays within half a step of its row's scale; the default model decodes greedily to the same
+tokens with both or neither, but where its top two are near-tied."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from worker_helpers import make_runner
 
 from stride.model.files import default_model_path
 from stride.workers import cpu_int4
-from stride.workers.models.layers import ColumnParallelLinear, RowParallelLinear
+from stride.workers.models.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU int4 kernel")
 
@@ -68,13 +69,14 @@ def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None
     tokens the bf16 weights pick, but where those weights' top two log-probs are within 0.05 of each other."""
     torch.set_num_threads(1)
     plain = make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
-                        max_num_seqs=1, cpu_int4=False)
+                        max_num_seqs=1, cpu_int4=False, cpu_int8_head=False)
     fast = make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
-                       max_num_seqs=1, cpu_int4=True)
+                       max_num_seqs=1, cpu_int4=True, cpu_int8_head=True)
     on_grid = [m for m in fast.model.modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.int4 is not None]
     assert len(on_grid) == 4 * fast.args.num_layers  # qkv, o, gate_up and down of every layer
     assert all(getattr(m, "int4", None) is None for m in plain.model.modules())
+    assert fast.model.lm_head.int8 is not None and plain.model.lm_head.int8 is None
     table = np.arange(16, dtype=np.int32)[None, :]
     flips = compared = 0
     for prompt in ([1, 504, 3458, 314, 4649, 30], [1, 1976, 253, 1345, 1007, 282, 253]):
@@ -94,3 +96,31 @@ def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None
             ids.append(nxt)
             step = [nxt]
     assert compared == 48 and flips <= 4
+
+
+def test_the_int8_head_is_within_its_rows_half_step_and_only_for_small_steps() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(320, 64, generator=g) * torch.rand(320, 1, generator=g)).to(torch.bfloat16)
+    rows = cpu_int4.Int8Rows(w)
+    step = w.float().abs().amax(1) / 127
+    restored = rows.q.float() * rows.scales.float()[:, None]
+    # Half a step, plus the bf16 rounding of the row's scale (2^-9 of it, times up to 127 steps).
+    assert ((restored - w.float()).abs() <= (0.5 + 127 * 2**-8) * step[:, None]).all()
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float())
+    assert (rows(x).float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    head = VocabParallelHead(64, 320)
+    head.weight.data = w
+    calls: list[int] = []
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return rows(x)
+
+    head.int8 = spy
+    for n in (1, cpu_int4.MAX_ROWS, cpu_int4.MAX_ROWS + 1):
+        head(torch.randn(n, 64).to(torch.bfloat16))
+    assert calls == [1, cpu_int4.MAX_ROWS]
+    # Negative control: another weight's int8 copy is far off.
+    other = cpu_int4.Int8Rows(torch.randn(320, 64, generator=g).to(torch.bfloat16))
+    assert (other(x).float() - ref).abs().max() > 0.2 * ref.abs().max()

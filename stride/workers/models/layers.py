@@ -332,7 +332,12 @@ class VocabParallelHead(_VocabRows):
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp_size), hidden_size), requires_grad=False)
 
+    int8: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """On the CPU, an int8 copy of the weight for small steps (:func:`stride.workers.cpu_int4.attach_head`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
+            return self.int8(x)
         return F.linear(x, self.weight)
 
 
