@@ -360,6 +360,9 @@ def test_cuda_worker_launches_with_the_tuned_decode_config(
         seen = _spy(monkeypatch, attention_triton, "paged_decode", lambda q, *a: q.shape[0])
         runs.append([x.float().cpu() for x in steps.run(runner)])
         monkeypatch.undo()
-        assert {cfg for _, cfg in seen} == ({tuned} if use_cache else {None})
+        # The decode-only steps (3 sequences, 4 in a graph) take the tuned config; the 1 and 2 decodes at the head
+        # of the mixed steps, attended apart from their chunks, have buckets of their own, not cached.
+        assert {cfg for rows, cfg in seen if rows >= 3} == ({tuned} if use_cache else {None})
+        assert {cfg for rows, cfg in seen if rows < 3} == {None}
     kernel_configs.forget()
     assert _max_err(runs[1], runs[0]) <= 2e-2
