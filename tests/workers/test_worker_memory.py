@@ -28,7 +28,8 @@ assert cache.nbytes == 128 << 20
 grew = rss() - before
 # Zeros (a sample: reading every page would map them too).
 assert all(t.is_contiguous() and t.dtype == torch.bfloat16 and not t[::256].any() for t in cache.k_caches)
-cache.k_caches[0][:1024] = 1.0  # half of one layer's K: 8 MB written
+cache.k_caches[0].fill_(1.0)  # two layers' K: 32 MB written
+cache.k_caches[1].fill_(1.0)
 wrote = rss() - before - grew
 # Negative control: torch.zeros writes every page of the same pool at once.
 before = rss()
@@ -43,7 +44,7 @@ def test_cpu_kv_pool_is_resident_only_where_written() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     grew, wrote, eager = (int(v) for v in out.stdout.split()[-3:])
     assert grew < 16, f"a 128 MB pool made {grew} MB resident before any write"
-    assert 6 < wrote < 16, wrote  # about the 8 MB written
+    assert 28 < wrote < 48, wrote  # about the 32 MB written (plus what the first ops map: up to 16 MB)
     assert eager > 100, eager
 
 
