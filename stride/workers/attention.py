@@ -192,7 +192,7 @@ class _TorchPlan:
     @staticmethod
     def build(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
         bs = meta.block_size
-        starts = meta.query_start_loc.cpu().numpy()
+        starts = np.concatenate([[0], np.cumsum(meta.query_lens_cpu)])  # the host's, not a copy from the device
         decode = np.flatnonzero(meta.query_lens_cpu == 1)
         decode_only = len(decode) == meta.num_seqs
         tokens = None

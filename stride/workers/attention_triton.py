@@ -53,7 +53,7 @@ class TritonPagedAttention(TorchPagedAttention):
                 config=config,
             )
         out = torch.empty_like(q)
-        d = meta.num_decodes
+        d, starts = meta.num_decodes, meta.query_start_loc
         if d:
             # The decodes at the step's head as a decode-only step: one program per KV head's group reads each
             # key once, where the extend kernel would read it once per head for a block of mostly masked rows.
@@ -63,8 +63,6 @@ class TritonPagedAttention(TorchPagedAttention):
                 config=configs.decode(d, num_heads, num_kv_heads, head_dim, block_size, max_ctx, q.dtype),
                 out=out[:d],
             )
-        starts = meta.query_start_loc
-        if d:
             assert meta.extend_start_loc is not None
             starts = meta.extend_start_loc
         config = configs.extend(

@@ -190,20 +190,19 @@ class ModelRunner:
         self.last_step_graphed = False
         """Whether the last :meth:`forward` replayed a decode graph (the step timeline counts those apart)."""
         use_fused_kernels(self.model, self.backend.fused_layers)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and worker.cpu_int4:
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
             from stride.workers import cpu_int4
 
-            count, nbytes = cpu_int4.attach(self.model)
-            if count:
-                log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
-                         nbytes / 1e6, cpu_int4.MAX_ROWS)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and worker.cpu_int8_head:
-            from stride.workers import cpu_int4
-
-            nbytes = cpu_int4.attach_head(self.model)
-            if nbytes:
-                log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
-                         nbytes / 1e6, cpu_int4.MAX_ROWS)
+            if worker.cpu_int4:
+                count, nbytes = cpu_int4.attach(self.model)
+                if count:
+                    log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
+                             nbytes / 1e6, cpu_int4.MAX_ROWS)
+            if worker.cpu_int8_head:
+                nbytes = cpu_int4.attach_head(self.model)
+                if nbytes:
+                    log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
+                             nbytes / 1e6, cpu_int4.MAX_ROWS)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
 
