@@ -7,6 +7,8 @@ gpu): captured graphs against eager steps, greedy tokens and logits, across batc
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -340,3 +342,36 @@ def test_worker_captures_shortest_context_graphs_before_serving(tmp_path: Path) 
     assert graphs.num_graphs == 7 and sum(g.replays for g in graphs._graphs.values()) == 3
     decode_step(runner, [1, 2], [300, 300], tables)  # a longer context: its graph on first use
     assert graphs.num_graphs == 8
+
+
+def test_step_budget_follows_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --max-num-batched-tokens a CUDA worker gets the GPU budget, a CPU worker and the simulated backend the
+    scheduler config's; a value given on the command line is kept either way."""
+    import argparse
+
+    from stride.config import SchedulerConfig
+    from stride.launch import launcher
+    from stride.model.files import default_model_path
+
+    try:
+        model = default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    assert launcher.GPU_BATCHED_TOKENS != SchedulerConfig.max_num_batched_tokens  # else nothing below can fail
+    root = tempfile.mkdtemp(prefix="stb-")  # short: the run directory holds unix socket paths
+    monkeypatch.setenv("STRIDE_RUNTIME_ROOT", root)
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+
+    def budget(*argv: str) -> int:
+        return launcher.config_from_args(parser.parse_args(["--model", model, *argv])).scheduler.max_num_batched_tokens
+
+    assert budget("--device", "cuda") == launcher.GPU_BATCHED_TOKENS
+    assert budget("--device", "cpu") == SchedulerConfig.max_num_batched_tokens
+    assert budget("--device", "cuda", "--max-num-batched-tokens", "512") == 512
+    assert launcher.default_batched_tokens("sim", "") == SchedulerConfig.max_num_batched_tokens
+    monkeypatch.setattr(launcher, "_cuda_present", lambda: True)
+    assert budget() == launcher.GPU_BATCHED_TOKENS
+    monkeypatch.setattr(launcher, "_cuda_present", lambda: False)
+    assert budget() == SchedulerConfig.max_num_batched_tokens
+    shutil.rmtree(root, ignore_errors=True)
