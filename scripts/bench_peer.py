@@ -3,7 +3,8 @@
 
 Builds ``llama-server`` once for this CPU from the llama.cpp source that the ``llama-cpp-python`` sdist vendors
 (a pinned release from PyPI, the only registry a fresh machine reaches), with the flags ``../shared/FACTS.md`` found
-best on these machines: native detection off (its AMX path crashes here), AVX-512 with VNNI and BF16 on, AMX off.
+best on these machines: native detection off (its AMX path crashes here), AMX off, and each of AVX-512, its VNNI and
+BF16 parts and AVX-VNNI on where this CPU has it (an AVX2-only CPU gets an AVX2 build: an AVX-512 one dies there).
 Then, one server at a time so they never share the cores, it starts each, runs the same ``stride bench`` load
 (streaming chat, temperature 0, ``--output-len`` tokens, ``--ignore-eos``) at every ``--concurrency``, stops it,
 and prints both with Stride's ratio per figure and the issue's targets (>= 0.5x llama.cpp's output tok/s at one
@@ -41,14 +42,35 @@ from stride.model.files import default_model_path  # noqa: E402
 LLAMA_CPP_PYTHON = "0.3.36"
 """The ``llama-cpp-python`` release whose vendored llama.cpp is built."""
 
-CMAKE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-               "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
-               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release")
+BASE_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+              "-DCMAKE_BUILD_TYPE=Release")
+OPTIONAL_FLAGS = (("GGML_AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                  ("GGML_AVX512_VNNI", {"avx512f", "avx512_vnni"}), ("GGML_AVX512_BF16", {"avx512f", "avx512_bf16"}),
+                  ("GGML_AVX_VNNI", {"avx_vnni"}))
+"""A ggml instruction set option, and the /proc/cpuinfo flags it needs."""
+
+
+def cmake_flags(cpu_flags: set[str]) -> tuple[str, ...]:
+    """The build's flags for a CPU with ``cpu_flags``: every optional instruction set it has, on; the rest off."""
+    return BASE_FLAGS + tuple(f"-D{name}={'ON' if need <= cpu_flags else 'OFF'}" for name, need in OPTIONAL_FLAGS)
+
+
+def this_cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
 
 
 def build_llama_server(build_dir: Path, jobs: int) -> Path:
-    """``llama-server`` built in ``build_dir`` (nothing done if it is there already)."""
-    binary = build_dir / "build" / "bin" / "llama-server"
+    """``llama-server`` built in ``build_dir`` for this CPU's instruction sets (nothing done if that build is there
+    already: each set of flags has its own build folder, so a machine of another kind never reuses it)."""
+    flags = cmake_flags(this_cpu_flags())
+    on = [f[len("-DGGML_"):-len("=ON")].lower() for f in flags[len(BASE_FLAGS):] if f.endswith("=ON")]
+    build = build_dir / "-".join(["build", "avx2", *on])
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -71,9 +93,10 @@ def build_llama_server(build_dir: Path, jobs: int) -> Path:
         archive.unlink()
     print(f"building llama-server in {build_dir} (about 8 minutes on 2 cores)", flush=True)
     generator = ["-G", "Ninja"] if subprocess.run(["which", "ninja"], capture_output=True).returncode == 0 else []
-    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir / "build"), *generator, *CMAKE_FLAGS],
+    print(f"cmake flags: {' '.join(flags)}", flush=True)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build), *generator, *flags],
                    check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build_dir / "build"), "--target", "llama-server", "-j", str(jobs)],
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
                    check=True)
     return binary
 

@@ -1,13 +1,21 @@
-"""4-bit weights for the CPU's small steps: a projection whose bf16 weight lies on a 4-bit grid (every group of 32
-inputs ``scale * q + min``, q in 0..15: what a GGUF Q4_1 tensor dequantises to) also keeps that grid packed for
-torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, bf16 activations), used for steps of at most
-:data:`MAX_ROWS` rows. The grid is recovered, not made: a weight off it (a 16-bit checkpoint, Q4_0 whose groups need
-not span 0..15) is left alone, so the answers stay those of the weights as loaded.
+"""The CPU's bf16 projections: small steps on packed low-bit copies, large ones in float32 where bf16 is emulated.
 
-Why both copies (measured on this 2-core AVX-512 machine, one thread, SmolLM2-135M's projections; perf-log): at one
-row the kernel reads a quarter of the bytes and takes 0.35-0.42x the time of bf16 ``F.linear``; at 4 rows
-0.55-0.75x; from 8 rows on it is slower (1.1-1.8x at 16). The bf16 weights serve every larger step. The int4 copy
-adds about a quarter of the bf16 weights' memory.
+A projection whose bf16 weight lies on a 4-bit grid (every group of 32 inputs ``scale * q + min``, q in 0..15: what a
+GGUF Q4_1 tensor dequantises to) also keeps that grid packed for torch's CPU int4 kernel
+(``_weight_int4pack_mm_for_cpu``, bf16 activations), and the output projection an int8 copy (:func:`attach_head`);
+steps of at most ``max_rows`` rows run on those. The grid is recovered, not made: a weight off it (a 16-bit
+checkpoint, Q4_0 whose groups need not span 0..15) is left alone, so the answers stay those of the weights as loaded.
+
+How many rows take the packed copies depends on what the bf16 weights cost instead (perf-log, SmolLM2-135M's
+projections, two threads):
+- A CPU that multiplies bf16 natively (AVX-512 BF16, AMX): :data:`MAX_ROWS` (4). The kernel reads a quarter of the
+  bytes and takes 0.35-0.42x the time of bf16 ``F.linear`` at one row, 0.55-0.75x at 4, and is slower from 8 rows on.
+- A CPU without (AVX2 only, as most laptops): :data:`EMULATED_MAX_ROWS` (32). There bf16 ``F.linear`` is emulated,
+  2.5x float32's time at 8 rows and 7.5x at 256, so steps larger than that multiply in float32, the bf16 weight
+  widened per call (:func:`upcast_large_steps`: as fast as float32 weights from 32 rows on, at half their memory); the
+  int4 kernel beats that up to 32 rows (the model's projections at 16 rows 80 against 89-99 ms, at 32 85 against
+  84-117, at 64 192 against 139).
+The packed copies add about a quarter of the bf16 weights' memory.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from torch import nn
 GROUP = 32
 """Inputs per scale and minimum (GGUF's Q4 block)."""
 MAX_ROWS = 4
-"""Largest step (rows of the activation) that takes the 4-bit kernel."""
+"""Largest step (rows of the activation) that takes the packed copies on a CPU with native bf16."""
+EMULATED_MAX_ROWS = 64
+"""The same on a CPU that emulates bf16 products (:func:`upcast_large_steps`)."""
 MAX_GRID_ERROR = 0.1
 """Largest distance, in grid steps, of a weight from its group's 4-bit grid for the grid to count as the weight's
 own (bf16 rounding of a Q4_1 weight puts it within ~0.04 of a step; a weight off any 4-bit grid is up to 0.5)."""
@@ -28,12 +38,23 @@ def available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
 
-class Int4Weight:
-    """A (N, K) weight's 4-bit grid, packed for the CPU kernel; called as ``F.linear(x, W)`` for 2-D bf16 ``x``."""
+class SmallStepWeight:
+    """A packed copy of a projection's weight that steps of at most ``max_rows`` rows run on; called as
+    ``F.linear(x, W)`` for 2-D bf16 ``x``."""
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+    max_rows: int = MAX_ROWS
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Weight(SmallStepWeight):
+    """A (N, K) weight's 4-bit grid, packed for the CPU kernel."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
         self.packed = packed
         self.scales_zeros = scales_zeros
+        self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
@@ -43,7 +64,7 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-def int4_grid(weight: torch.Tensor) -> Int4Weight | None:
+def int4_grid(weight: torch.Tensor, max_rows: int = MAX_ROWS) -> Int4Weight | None:
     """``weight``'s 4-bit grid per group of :data:`GROUP` inputs, or None where it has none (or K is not whole
     groups). Per group: minimum ``lo``, step ``d = (max - lo) / 15``; the kernel's form is ``(q - 8) * d + zero``
     with ``zero = lo + 8 d``."""
@@ -60,12 +81,12 @@ def int4_grid(weight: torch.Tensor) -> Int4Weight | None:
     packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
     scales = d.reshape(n, k // GROUP).t()
     zeros = (lo + 8 * d).reshape(n, k // GROUP).t()
-    return Int4Weight(packed, torch.stack([scales, zeros], -1).to(torch.bfloat16).contiguous())
+    return Int4Weight(packed, torch.stack([scales, zeros], -1).to(torch.bfloat16).contiguous(), max_rows)
 
 
-def attach(model: nn.Module) -> tuple[int, int]:
+def attach(model: nn.Module, max_rows: int = MAX_ROWS) -> tuple[int, int]:
     """Give every dense projection of ``model`` whose weight has a 4-bit grid its packed copy (the layer then runs
-    steps of up to :data:`MAX_ROWS` rows on it). Returns (projections given one, bytes they hold)."""
+    steps of up to ``max_rows`` rows on it). Returns (projections given one, bytes they hold)."""
     if not available():
         return 0, 0
     count = nbytes = 0
@@ -74,7 +95,7 @@ def attach(model: nn.Module) -> tuple[int, int]:
         # import this module, so it names them by that.
         weight = getattr(module, "weight", None)
         if "int4" in vars(type(module)) and isinstance(weight, torch.Tensor):
-            grid = int4_grid(weight.data)
+            grid = int4_grid(weight.data, max_rows)
             if grid is not None:
                 setattr(module, "int4", grid)  # noqa: B010 (nn.Module's typing hides the slot)
                 count += 1
@@ -84,11 +105,12 @@ def attach(model: nn.Module) -> tuple[int, int]:
     return count, nbytes
 
 
-class Int8Rows:
+class Int8Rows(SmallStepWeight):
     """A (N, K) weight as int8 with one scale per output row, for torch's CPU int8 kernel (``_weight_int8pack_mm``,
-    bf16 activations); called as ``F.linear(x, W)`` for 2-D bf16 ``x``."""
+    bf16 activations)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
+        self.max_rows = max_rows
         w = weight.float()
         scales = w.abs().amax(1).clamp_min(1e-12) / 127
         self.q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -102,8 +124,8 @@ class Int8Rows:
         return self.q.nbytes + self.scales.nbytes
 
 
-def attach_head(model: nn.Module) -> int:
-    """Give the output projection (``lm_head``) an int8 copy of its bf16 weight for steps of up to :data:`MAX_ROWS`
+def attach_head(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
+    """Give the output projection (``lm_head``) an int8 copy of its bf16 weight for steps of up to ``max_rows``
     rows; returns the bytes it holds (0: none given).
 
     Unlike the grids this *is* a requantisation: a GGUF's Q8_0 head has a scale per 32 inputs, the kernel one per row,
@@ -116,10 +138,22 @@ def attach_head(model: nn.Module) -> int:
         return 0
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return 0
-    rows = Int8Rows(weight.data)
+    rows = Int8Rows(weight.data, max_rows)
     setattr(head, "int8", rows)  # noqa: B010 (nn.Module's typing hides the slot)
     _trim_heap()
     return rows.nbytes
+
+
+def upcast_large_steps(model: nn.Module) -> int:
+    """On a CPU that emulates bf16 products: every bf16 dense projection and the output projection multiply the steps
+    their packed copy does not take in float32, widening the weight per call (``upcast``). Returns how many."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if "upcast" in vars(type(module)) and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
+            setattr(module, "upcast", True)  # noqa: B010 (nn.Module's typing hides the slot)
+            count += 1
+    return count
 
 
 def _trim_heap() -> None:

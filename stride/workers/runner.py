@@ -31,25 +31,37 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX): x86 Linux's flags say so."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here)."""
     try:
         with open(cpuinfo) as f:
-            flags = set(f.read().split())
-    except OSError:  # not Linux: no way to tell here, so float32
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX)."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_runs_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether bf16 is this CPU's default run dtype: native bf16, or AVX2, where the large steps' products are
+    widened to float32 (:func:`stride.workers.cpu_int4.upcast_large_steps`) and the weights are still read at half
+    float32's bytes. Older or unknown CPUs keep float32."""
+    flags = cpu_flags(cpuinfo)
+    return bool(flags & {"avx512_bf16", "amx_bf16", "avx2"})
 
 
 def resolve_device_dtype(device: str = "", dtype: str = "") -> tuple[torch.device, torch.dtype]:
-    """Empty device: CUDA when present. Empty dtype: bfloat16 on CUDA and on a CPU that multiplies bf16 natively
-    (half the bytes read per step; the default model on such a CPU: 1.4x at one client, 1.7x at 16, greedy
-    output equal to float32's but where float32's top two are within 0.06 of each other: docs/perf-log.md),
-    float32 on other CPUs."""
+    """Empty device: CUDA when present. Empty dtype: bfloat16 on CUDA and on a CPU with native bf16 or AVX2 (half
+    the bytes read per step; the default model on a native-bf16 CPU: 1.4x at one client, 1.7x at 16, greedy output
+    equal to float32's but where float32's top two are within 0.06 of each other; on an AVX2-only one, with its
+    4-bit grids, 2.9x at batch 1: docs/perf-log.md), float32 on other CPUs."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
-    return dev, _DTYPES[dtype or ("bfloat16" if dev.type == "cuda" or cpu_has_bf16() else "float32")]
+    return dev, _DTYPES[dtype or ("bfloat16" if dev.type == "cuda" or cpu_runs_bf16() else "float32")]
 
 
 def _tensor(x: Any) -> torch.Tensor:
@@ -193,16 +205,22 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
             from stride.workers import cpu_int4
 
+            native = cpu_has_bf16()
+            max_rows = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
+            if not native:
+                count = cpu_int4.upcast_large_steps(self.model)
+                log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed "
+                         "copies do not take", count)
             if worker.cpu_int4:
-                count, nbytes = cpu_int4.attach(self.model)
+                count, nbytes = cpu_int4.attach(self.model, max_rows)
                 if count:
                     log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
-                             nbytes / 1e6, cpu_int4.MAX_ROWS)
+                             nbytes / 1e6, max_rows)
             if worker.cpu_int8_head:
-                nbytes = cpu_int4.attach_head(self.model)
+                nbytes = cpu_int4.attach_head(self.model, max_rows)
                 if nbytes:
                     log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
-                             nbytes / 1e6, cpu_int4.MAX_ROWS)
+                             nbytes / 1e6, max_rows)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
 

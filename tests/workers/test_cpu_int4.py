@@ -5,11 +5,13 @@ tokens with both or neither, but where its top two are near-tied."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from worker_helpers import make_runner
+from worker_helpers import make_checkpoint, make_runner, write_gguf
 
 from stride.model.files import default_model_path
 from stride.workers import cpu_int4
@@ -46,21 +48,64 @@ def test_a_4_bit_weight_keeps_its_grid_and_gives_what_the_bf16_weight_gives() ->
     assert (other(x).float() - ref).abs().max() > 0.1 * ref.abs().max()
 
 
-def test_a_layer_runs_small_steps_on_its_grid_and_larger_ones_on_bf16() -> None:
+class Spy(cpu_int4.SmallStepWeight):
+    """A packed copy that records the rows of each step it is given."""
+
+    def __init__(self, inner: cpu_int4.SmallStepWeight) -> None:
+        self.inner, self.max_rows, self.calls = inner, inner.max_rows, list[int]()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("max_rows", [cpu_int4.MAX_ROWS, cpu_int4.EMULATED_MAX_ROWS])
+def test_a_layer_runs_small_steps_on_its_grid_and_larger_ones_on_bf16(max_rows: int) -> None:
     layer = ColumnParallelLinear(128, [96])
     layer.weight.data = q4_1_weight(96, 128)
-    grid = cpu_int4.int4_grid(layer.weight.data)
-    assert grid is not None
-    calls: list[int] = []
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return grid(x)
-
-    layer.int4 = spy
-    for rows in (1, cpu_int4.MAX_ROWS, cpu_int4.MAX_ROWS + 1, 64):
+    grid = cpu_int4.int4_grid(layer.weight.data, max_rows)
+    assert grid is not None and grid.max_rows == max_rows
+    layer.int4 = spy = Spy(grid)
+    for rows in (1, max_rows, max_rows + 1, 2 * max_rows):
         layer(torch.randn(rows, 128).to(torch.bfloat16))
-    assert calls == [1, cpu_int4.MAX_ROWS]
+    assert spy.calls == [1, max_rows]
+
+
+def test_upcast_layers_multiply_large_steps_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU that emulates bf16 products the steps the packed copies do not take multiply in float32 (the bf16
+    weight widened per call) and come back in bf16; only bf16 projections and the head are switched."""
+    from stride.workers.models import layers
+
+    col, row, head = ColumnParallelLinear(64, [32]), RowParallelLinear(32, 64), VocabParallelHead(64, 96)
+    for m in (col, row, head):
+        m.weight.data = torch.randn(m.weight.shape).to(torch.bfloat16)
+    fp32 = ColumnParallelLinear(64, [32])  # a float32 weight: nothing to widen
+    model = torch.nn.ModuleList([col, row, head, fp32])
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    real = F.linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.append((x.dtype, w.dtype))
+        return real(x, w)
+
+    monkeypatch.setattr(layers.F, "linear", spy)
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    col(x)
+    assert seen == [(torch.bfloat16, torch.bfloat16)]  # negative control: as the weight is, before the switch
+    assert cpu_int4.upcast_large_steps(model) == 3 and not fp32.upcast
+    seen.clear()
+    out = col(x)
+    assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.bfloat16
+    assert torch.equal(out, real(x.float(), col.weight.float()).to(torch.bfloat16))
+    row(torch.randn(8, 32).to(torch.bfloat16))
+    head(x)
+    assert seen[1:] == [(torch.float32, torch.float32)] * 2
+    # A packed copy still takes the steps it covers.
+    grid = cpu_int4.Int8Rows(head.weight.data, max_rows=8)
+    head.int8 = small = Spy(grid)
+    seen.clear()
+    head(x)
+    assert small.calls == [8] and seen == []
 
 
 @pytest.mark.slow
@@ -111,16 +156,30 @@ def test_the_int8_head_is_within_its_rows_half_step_and_only_for_small_steps() -
     assert (rows(x).float() - ref).abs().max() <= 0.02 * ref.abs().max()
     head = VocabParallelHead(64, 320)
     head.weight.data = w
-    calls: list[int] = []
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return rows(x)
-
-    head.int8 = spy
+    head.int8 = spy = Spy(rows)
     for n in (1, cpu_int4.MAX_ROWS, cpu_int4.MAX_ROWS + 1):
         head(torch.randn(n, 64).to(torch.bfloat16))
-    assert calls == [1, cpu_int4.MAX_ROWS]
+    assert spy.calls == [1, cpu_int4.MAX_ROWS]
     # Negative control: another weight's int8 copy is far off.
     other = cpu_int4.Int8Rows(torch.randn(320, 64, generator=g).to(torch.bfloat16))
     assert (other(x).float() - ref).abs().max() > 0.2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 runner of a Q4_1 GGUF: on a CPU with native bf16 the packed copies take steps of up to MAX_ROWS rows
+    and larger ones multiply in bf16; on one that emulates bf16 they take up to EMULATED_MAX_ROWS and every projection
+    widens the larger steps to float32."""
+    from stride.workers import runner as runner_module
+
+    hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
+    gguf = write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: native)
+    r = make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=2)
+    projections = [m for m in r.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    want = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
+    assert projections and all(m.int4 is not None and m.int4.max_rows == want for m in projections)
+    assert all(m.upcast is not native for m in projections)
+    head = r.model.lm_head
+    assert head.int8 is not None and head.int8.max_rows == want and head.upcast is not native

@@ -42,17 +42,20 @@ def test_collect_splits_each_sequence_at_its_prompt_length() -> None:
     assert (hist.prompt, hist.output) == ([10, 11, 12, 13], [20, 21, 22])
 
 
-def test_the_cpu_default_dtype_follows_native_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_default_dtype_is_bf16_with_native_bf16_or_avx2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from stride.workers import runner
 
     (tmp_path / "bf16").write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n")
     (tmp_path / "amx").write_text("flags\t\t: fpu amx_tile amx_bf16\n")
-    (tmp_path / "old").write_text("flags\t\t: fpu sse avx2 avx512f\n")
+    (tmp_path / "avx2").write_text("flags\t\t: fpu sse avx2 avx512f\n")
+    (tmp_path / "old").write_text("flags\t\t: fpu sse sse4_2 avx\n")
     assert runner.cpu_has_bf16(str(tmp_path / "bf16")) and runner.cpu_has_bf16(str(tmp_path / "amx"))
-    assert not runner.cpu_has_bf16(str(tmp_path / "old")) and not runner.cpu_has_bf16(str(tmp_path / "none"))
-    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(runner, "cpu_has_bf16", lambda native=native: native)
+    assert not runner.cpu_has_bf16(str(tmp_path / "avx2")) and not runner.cpu_has_bf16(str(tmp_path / "none"))
+    runs = {name: runner.cpu_runs_bf16(str(tmp_path / name)) for name in ("bf16", "amx", "avx2", "old", "none")}
+    assert runs == {"bf16": True, "amx": True, "avx2": True, "old": False, "none": False}
+    for bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(runner, "cpu_runs_bf16", lambda bf16=bf16: bf16)
         assert runner.resolve_device_dtype("cpu", "") == (torch.device("cpu"), want)
         assert runner.resolve_device_dtype("cpu", "float32")[1] == torch.float32  # asked for, always given

@@ -24,7 +24,7 @@ float32), which is also what makes a 4-bit model usable on a CPU without Triton'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
-from stride.workers.cpu_int4 import MAX_ROWS as INT4_MAX_ROWS
+from stride.workers.cpu_int4 import SmallStepWeight
 
 if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
@@ -60,6 +60,16 @@ def column_slices(output_sizes: Sequence[int], units: Sequence[int] | None, tp_r
                 raise ValueError(f"tp_size {tp_size} is not a multiple of the {count} units of output {i}")
             out.append(((tp_rank * count // tp_size) * unit, unit))
     return out
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, small: SmallStepWeight | None, upcast: bool) -> torch.Tensor:
+    """``x @ weight.T``: on ``small`` (a packed CPU copy) for a step it takes, else in float32 with ``upcast``, else
+    as the weight is."""
+    if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows:
+        return small(x)
+    if upcast:
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return F.linear(x, weight)
 
 
 class Loadable(nn.Module):
@@ -104,13 +114,13 @@ class ColumnParallelLinear(Loadable):
         offset = sum(self.output_sizes[:shard])
         self.weight.data[offset : offset + self.output_sizes[shard]].copy_(part)
 
-    int4: Callable[[torch.Tensor], torch.Tensor] | None = None
+    int4: SmallStepWeight | None = None
     """On the CPU, the weight's 4-bit grid where it has one (:mod:`stride.workers.cpu_int4`), for small steps."""
+    upcast: bool = False
+    """On a CPU that emulates bf16 products, the steps ``int4`` does not take multiply in float32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
-            return self.int4(x)
-        return F.linear(x, self.weight)
+        return project(x, self.weight, self.int4, self.upcast)
 
 
 class RowParallelLinear(Loadable):
@@ -130,13 +140,14 @@ class RowParallelLinear(Loadable):
     def load_part(self, part: Part, shard: int = 0) -> None:
         self.weight.data.copy_(part)
 
-    int4: Callable[[torch.Tensor], torch.Tensor] | None = None
+    int4: SmallStepWeight | None = None
     """As :attr:`ColumnParallelLinear.int4`."""
+    upcast: bool = False
+    """As :attr:`ColumnParallelLinear.upcast`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
-            return self.int4(x)
-        return F.linear(x, self.weight)  # partial sums with tp_size > 1: the tensor-parallel pass all-reduces them
+        # Partial sums with tp_size > 1: the tensor-parallel pass all-reduces them.
+        return project(x, self.weight, self.int4, self.upcast)
 
 
 class W4A16Linear(Loadable):
@@ -332,13 +343,13 @@ class VocabParallelHead(_VocabRows):
         self.vocab_size, self.tp_rank = vocab_size, tp_rank
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp_size), hidden_size), requires_grad=False)
 
-    int8: Callable[[torch.Tensor], torch.Tensor] | None = None
+    int8: SmallStepWeight | None = None
     """On the CPU, an int8 copy of the weight for small steps (:func:`stride.workers.cpu_int4.attach_head`)."""
+    upcast: bool = False
+    """As :attr:`ColumnParallelLinear.upcast`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS:
-            return self.int8(x)
-        return F.linear(x, self.weight)
+        return project(x, self.weight, self.int8, self.upcast)
 
 
 def rope_cos_sin(
