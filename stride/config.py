@@ -229,7 +229,7 @@ class WorkerConfig:
     """``cpu`` or ``cuda``; empty picks CUDA when present."""
     dtype: str = ""
     """Run dtype (float32, bfloat16, float16); empty picks bfloat16 on CUDA and on a CPU with native bf16 (AVX-512
-    BF16, AMX), float32 on other CPUs (``stride.workers.runner.resolve_device_dtype``)."""
+    BF16, AMX) or AVX2, float32 on other CPUs (``stride.workers.runner.resolve_device_dtype``)."""
     tensor_parallel_size: int = 1
     """Ranks (one process per GPU)."""
     gpu: str = "H100-SXM-80GB"
@@ -252,11 +252,11 @@ class WorkerConfig:
     attention_backend: str = field(default_factory=env.ATTENTION_BACKEND.get)
     """``torch`` (the reference) or ``triton`` (the kernels); empty: triton on CUDA, torch elsewhere."""
     cpu_int4: bool = field(default_factory=env.CPU_INT4.get_bool)
-    """On a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) also keep it packed, and steps
-    of up to 4 rows run on it (:mod:`stride.workers.cpu_int4`)."""
+    """On a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) also keep it packed, and small
+    steps (up to 4 rows with native bf16, 64 where it is emulated) run on it (:mod:`stride.workers.cpu_int4`)."""
     cpu_int8_head: bool = field(default_factory=env.CPU_INT8_HEAD.get_bool)
-    """On a CPU in bf16, the output projection also keeps an int8 copy with a scale per vocabulary row, and steps of
-    up to 4 rows compute their logits on it (:func:`stride.workers.cpu_int4.attach_head`)."""
+    """On a CPU in bf16, the output projection also keeps an int8 copy with a scale per vocabulary row, and the same
+    small steps compute their logits on it (:func:`stride.workers.cpu_int4.attach_head`)."""
     w4a16: str = field(default_factory=env.W4A16.get)
     """Keep a GGUF's Q4 projections 4-bit on the W4A16 GEMM: ``1`` on, ``0`` off (dequantised to the run dtype);
     empty: on with the triton backend on CUDA."""

@@ -56,11 +56,12 @@ W4A16 = EnvVar(
 CPU_INT4 = EnvVar(
     "STRIDE_CPU_INT4", "1",
     "'1' (default): on a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) keep it packed "
-    "too, and steps of up to 4 rows run torch's CPU int4 kernel on it; '0': bf16 weights only.")
+    "too, and small steps (up to 4 rows with native bf16, 64 where bf16 is emulated) run torch's CPU int4 kernel on "
+    "it; '0': bf16 weights only.")
 CPU_INT8_HEAD = EnvVar(
     "STRIDE_CPU_INT8_HEAD", "1",
     "'1' (default): on a CPU in bf16, the output projection also keeps an int8 copy (per-row scales), on which "
-    "steps of up to 4 rows compute their logits; '0': bf16 only.")
+    "small steps (as STRIDE_CPU_INT4's) compute their logits; '0': bf16 only.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
