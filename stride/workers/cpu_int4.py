@@ -10,11 +10,11 @@ How many rows take the packed copies depends on what the bf16 weights cost inste
 projections, two threads):
 - A CPU that multiplies bf16 natively (AVX-512 BF16, AMX): :data:`MAX_ROWS` (4). The kernel reads a quarter of the
   bytes and takes 0.35-0.42x the time of bf16 ``F.linear`` at one row, 0.55-0.75x at 4, and is slower from 8 rows on.
-- A CPU without (AVX2 only, as most laptops): :data:`EMULATED_MAX_ROWS` (32). There bf16 ``F.linear`` is emulated,
-  2.5x float32's time at 8 rows and 7.5x at 256, so steps larger than that multiply in float32, the bf16 weight
-  widened per call (:func:`upcast_large_steps`: as fast as float32 weights from 32 rows on, at half their memory); the
-  int4 kernel beats that up to 32 rows (the model's projections at 16 rows 80 against 89-99 ms, at 32 85 against
-  84-117, at 64 192 against 139).
+- A CPU without (AVX2 only, as most laptops): :data:`EMULATED_MAX_ROWS` (64). There bf16 ``F.linear`` is emulated,
+  2.5x float32's time at 8 rows and 7.5x at 256, so the steps the packed copies do not take multiply in float32, each
+  bf16 weight widened per call (:func:`upcast_large_steps`). The widening costs the default model ~93 ms a step (its
+  whole bf16 -> float32 copy), so the int4 kernel takes every step up to 64 rows: the model's step at 32 rows 139 ms
+  that way, against 205 widened and 141 with float32 weights; at 64 rows 269-290 against float32's 244.
 The packed copies add about a quarter of the bf16 weights' memory.
 """
 
