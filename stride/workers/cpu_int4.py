@@ -145,13 +145,18 @@ def attach_head(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
 
 
 def upcast_large_steps(model: nn.Module) -> int:
-    """On a CPU that emulates bf16 products: every bf16 dense projection and the output projection multiply the steps
-    their packed copy does not take in float32, widening the weight per call (``upcast``). Returns how many."""
+    """On a CPU that emulates bf16 products: every bf16 dense projection and the output projection multiply in
+    float32 the steps their packed copy does not take (``upcast``). A projection with a 4-bit grid keeps its weight
+    bf16 and widens it per such step (only steps of more than :data:`EMULATED_MAX_ROWS` rows pay that); one without
+    (a 16-bit checkpoint's, or with ``STRIDE_CPU_INT4=0``) would pay it every step, so its weight becomes float32 once,
+    as the float32 run dtype held it. Call after :func:`attach` and :func:`attach_head`. Returns how many."""
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if "upcast" in vars(type(module)) and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:
             setattr(module, "upcast", True)  # noqa: B010 (nn.Module's typing hides the slot)
+            if "int4" in vars(type(module)) and getattr(module, "int4") is None:  # noqa: B009 (typing hides the slot); the head may be tied: not it
+                weight.data = weight.data.float()
             count += 1
     return count
 

@@ -207,10 +207,6 @@ class ModelRunner:
 
             native = cpu_has_bf16()
             max_rows = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
-            if not native:
-                count = cpu_int4.upcast_large_steps(self.model)
-                log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed "
-                         "copies do not take", count)
             if worker.cpu_int4:
                 count, nbytes = cpu_int4.attach(self.model, max_rows)
                 if count:
@@ -221,6 +217,10 @@ class ModelRunner:
                 if nbytes:
                     log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
                              nbytes / 1e6, max_rows)
+            if not native:
+                count = cpu_int4.upcast_large_steps(self.model)
+                log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed "
+                         "copies do not take", count)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
 

@@ -80,7 +80,10 @@ def test_upcast_layers_multiply_large_steps_in_float32(monkeypatch: pytest.Monke
     for m in (col, row, head):
         m.weight.data = torch.randn(m.weight.shape).to(torch.bfloat16)
     fp32 = ColumnParallelLinear(64, [32])  # a float32 weight: nothing to widen
-    model = torch.nn.ModuleList([col, row, head, fp32])
+    gridded = ColumnParallelLinear(128, [96])
+    gridded.weight.data = q4_1_weight(96, 128)
+    gridded.int4 = cpu_int4.int4_grid(gridded.weight.data, cpu_int4.EMULATED_MAX_ROWS)
+    model = torch.nn.ModuleList([col, row, head, fp32, gridded])
     seen: list[tuple[torch.dtype, torch.dtype]] = []
     real = F.linear
 
@@ -92,14 +95,23 @@ def test_upcast_layers_multiply_large_steps_in_float32(monkeypatch: pytest.Monke
     x = torch.randn(8, 64).to(torch.bfloat16)
     col(x)
     assert seen == [(torch.bfloat16, torch.bfloat16)]  # negative control: as the weight is, before the switch
-    assert cpu_int4.upcast_large_steps(model) == 3 and not fp32.upcast
+    bf16_col = col.weight.data.clone()
+    assert cpu_int4.upcast_large_steps(model) == 4 and not fp32.upcast and gridded.upcast
+    # Without a grid the weight is widened once (every step would widen it otherwise); with one it stays bf16, and
+    # the head (which may be the embedding's) too.
+    assert col.weight.dtype == row.weight.dtype == torch.float32 and torch.equal(col.weight.data, bf16_col.float())
+    assert gridded.weight.dtype == head.weight.dtype == torch.bfloat16
     seen.clear()
     out = col(x)
     assert seen == [(torch.float32, torch.float32)] and out.dtype == torch.bfloat16
-    assert torch.equal(out, real(x.float(), col.weight.float()).to(torch.bfloat16))
+    assert torch.equal(out, real(x.float(), bf16_col.float()).to(torch.bfloat16))
+    seen.clear()
+    wide = torch.randn(cpu_int4.EMULATED_MAX_ROWS + 1, 128).to(torch.bfloat16)
+    assert gridded(wide).dtype == torch.bfloat16 and seen == [(torch.float32, torch.float32)]
+    seen.clear()
     row(torch.randn(8, 32).to(torch.bfloat16))
     head(x)
-    assert seen[1:] == [(torch.float32, torch.float32)] * 2
+    assert seen == [(torch.float32, torch.float32)] * 2
     # A packed copy still takes the steps it covers.
     grid = cpu_int4.Int8Rows(head.weight.data, max_rows=8)
     head.int8 = small = Spy(grid)
