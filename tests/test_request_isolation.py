@@ -95,6 +95,7 @@ def _stepper(fail_slot: int | None) -> ModelStepper:
     stepper.runner = _Runner()  # type: ignore[assignment]
     stepper.sampler = Sampler(4, VOCAB)
     stepper.samples = True  # rank 0
+    stepper.device_type = "cpu"
     stepper._history = {}
     add = stepper.sampler.add_sequence
 

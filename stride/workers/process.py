@@ -46,6 +46,23 @@ def _needs_history(params: Any) -> bool:
     return bool(params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty)
 
 
+TRIM_AFTER_TOKENS = 256
+"""A CPU step of at least this many tokens gives the heap its activations left back to the system afterwards."""
+
+
+def trim_heap() -> None:
+    """glibc raises its mmap threshold as large blocks are freed, so a prefill step's activations end up in the heap
+    and stay resident after it (the default model's worker grew by ~170 MB as its pool filled); ``malloc_trim``
+    returns the free pages. Once per large step, not per allocation: a fixed mmap threshold, which maps and faults
+    every large activation afresh, cost 42% of the throughput of a prefill-heavy load (docs/perf-log.md)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 class ModelStepper:
     """A real model: :class:`ModelRunner` for the forward, :class:`Sampler` for the tokens."""
 
@@ -103,6 +120,8 @@ class ModelStepper:
         if self._history:
             self._collect(buf, n)
         logits = self.runner.step(buf, t, n)
+        if self.device_type == "cpu" and t >= TRIM_AFTER_TOKENS:
+            trim_heap()
         flags = buf.sample_flags[:n].astype(bool)
         buf.sampled_ids[:n] = -1
         for slot in buf.seq_slots[:n][flags].tolist():

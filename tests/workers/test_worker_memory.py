@@ -60,3 +60,70 @@ def test_cpu_worker_loads_without_triton_and_unmaps_the_gguf() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["False", "False", "0"], out.stdout
+
+
+_TRIM_PROBE = """
+import ctypes
+import torch
+from stride.workers.process import trim_heap
+
+def rss():
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024
+
+# Where glibc would have moved them after freeing large blocks: 4 MB blocks from the heap, and free() trimming
+# nothing by itself.
+libc = ctypes.CDLL("libc.so.6")
+assert libc.mallopt(-3, 64 << 20) and libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+base = rss()
+blocks, keep = [], []
+for _ in range(32):  # 128 MB of activations, now from the heap, each followed by a small block that stays
+    blocks.append(torch.ones(4 << 20, dtype=torch.uint8))
+    keep.append(torch.ones(4096, dtype=torch.uint8))
+del blocks
+left = rss() - base
+trim_heap()
+print(round(left), round(rss() - base))
+"""
+
+
+def test_trim_heap_returns_freed_activations() -> None:
+    out = subprocess.run([sys.executable, "-c", _TRIM_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    left, after = (int(v) for v in out.stdout.split()[-2:])
+    assert left >= 100, left  # the control: freed, yet resident until trimmed
+    assert after <= 16, (left, after)
+
+
+def test_cpu_worker_trims_the_heap_after_large_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from stride.ipc import messages as m
+    from stride.params import SamplingParams
+    from stride.workers import process
+    from stride.workers.sampling import Sampler
+
+    trims: list[int] = []
+    monkeypatch.setattr(process, "trim_heap", lambda: trims.append(1))
+
+    class Runner:
+        def step(self, buf: object, num_tokens: int, num_seqs: int) -> torch.Tensor:
+            return torch.zeros(num_seqs, 8)
+
+    def run(device: str, num_tokens: int) -> None:
+        stepper = process.ModelStepper.__new__(process.ModelStepper)  # the step handling alone, a fake forward
+        stepper.runner, stepper.sampler = Runner(), Sampler(1, 8)  # type: ignore[assignment]
+        stepper.samples, stepper._history, stepper.device_type = True, {}, device
+        params = SamplingParams(temperature=0)
+        desc = m.StepDescriptor(1, 1, num_tokens, new_seqs=[m.NewSequence(0, "r0", params, num_tokens)])
+        buf = SimpleNamespace(seq_slots=np.zeros(1, np.int32), sample_flags=np.ones(1, np.int8),
+                              sampled_ids=np.full(1, -1, np.int32))
+        stepper.run(desc, buf)  # type: ignore[arg-type]
+
+    run("cpu", process.TRIM_AFTER_TOKENS - 1)
+    run("cuda", process.TRIM_AFTER_TOKENS)
+    assert trims == []  # a small step, and a GPU's step: nothing to give back
+    run("cpu", process.TRIM_AFTER_TOKENS)
+    assert trims == [1]
