@@ -128,7 +128,7 @@ class CacheConfig:
     num_blocks: int = 768
     """Physical blocks in the pool on a CPU and with the simulated backend (a GPU worker sizes its pool with the
     planner from the memory it measures). 768 blocks of 16 are 12,288 tokens: the default model's whole 8,192-token
-    context and a 4,096 more, 283 MB of bf16 KV for it; with 1,024 its worker passed 1 GB of RSS once every block had
+    context and 4,096 more, 283 MB of bf16 KV for it; with 1,024 its worker passed 1 GB of RSS once every block had
     been written (docs/perf-log.md). The pool's pages become resident only as blocks are written."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests of one tenant by content address."""
