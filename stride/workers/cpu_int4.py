@@ -101,7 +101,7 @@ def attach(model: nn.Module, max_rows: int = MAX_ROWS) -> tuple[int, int]:
                 count += 1
                 nbytes += grid.nbytes
     if count:
-        _trim_heap()
+        trim_heap()
     return count, nbytes
 
 
@@ -140,7 +140,7 @@ def attach_head(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
         return 0
     rows = Int8Rows(weight.data, max_rows)
     setattr(head, "int8", rows)  # noqa: B010 (nn.Module's typing hides the slot)
-    _trim_heap()
+    trim_heap()
     return rows.nbytes
 
 
@@ -161,9 +161,11 @@ def upcast_large_steps(model: nn.Module) -> int:
     return count
 
 
-def _trim_heap() -> None:
-    """Give the packing's temporaries back to the system (glibc keeps freed heap otherwise: the served worker held
-    ~170 MB more than the grids' own 66 MB without this)."""
+def trim_heap() -> None:
+    """Give freed heap back to the system (``malloc_trim``). glibc keeps it otherwise: after packing, the served
+    worker held ~170 MB more than the grids' own 66 MB; and since glibc raises its mmap threshold as large blocks are
+    freed, a prefill step's activations end up in the heap and stay resident after it (the worker calls this after
+    each large CPU step: ``stride.workers.process.TRIM_AFTER_TOKENS``)."""
     import ctypes
 
     try:

@@ -47,20 +47,9 @@ def _needs_history(params: Any) -> bool:
 
 
 TRIM_AFTER_TOKENS = 256
-"""A CPU step of at least this many tokens gives the heap its activations left back to the system afterwards."""
-
-
-def trim_heap() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, so a prefill step's activations end up in the heap
-    and stay resident after it (the default model's worker grew by ~170 MB as its pool filled); ``malloc_trim``
-    returns the free pages. Once per large step, not per allocation: a fixed mmap threshold, which maps and faults
-    every large activation afresh, cost 42% of the throughput of a prefill-heavy load (docs/perf-log.md)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+"""A CPU step of at least this many tokens gives the heap its activations left back to the system afterwards
+(:func:`stride.workers.cpu_int4.trim_heap`). Once per large step, not per allocation: a fixed mmap threshold, which
+maps and faults every large activation afresh, cost 42% of the throughput of a prefill-heavy load (perf-log)."""
 
 
 class ModelStepper:
@@ -121,6 +110,8 @@ class ModelStepper:
             self._collect(buf, n)
         logits = self.runner.step(buf, t, n)
         if self.device_type == "cpu" and t >= TRIM_AFTER_TOKENS:
+            from stride.workers.cpu_int4 import trim_heap  # torch's side of the worker (the sim one imports none)
+
             trim_heap()
         flags = buf.sample_flags[:n].astype(bool)
         buf.sampled_ids[:n] = -1

@@ -40,17 +40,20 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
         return set()
 
 
+_NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+"""The /proc/cpuinfo flags of a CPU that multiplies bf16 natively."""
+
+
 def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX)."""
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags(cpuinfo) & _NATIVE_BF16)
 
 
 def cpu_runs_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether bf16 is this CPU's default run dtype: native bf16, or AVX2, where the large steps' products are
     widened to float32 (:func:`stride.workers.cpu_int4.upcast_large_steps`) and the weights are still read at half
     float32's bytes. Older or unknown CPUs keep float32."""
-    flags = cpu_flags(cpuinfo)
-    return bool(flags & {"avx512_bf16", "amx_bf16", "avx2"})
+    return bool(cpu_flags(cpuinfo) & (_NATIVE_BF16 | {"avx2"}))
 
 
 def resolve_device_dtype(device: str = "", dtype: str = "") -> tuple[torch.device, torch.dtype]:

@@ -65,7 +65,7 @@ def test_cpu_worker_loads_without_triton_and_unmaps_the_gguf() -> None:
 _TRIM_PROBE = """
 import ctypes
 import torch
-from stride.workers.process import trim_heap
+from stride.workers.cpu_int4 import trim_heap
 
 def rss():
     return int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024
@@ -102,11 +102,11 @@ def test_cpu_worker_trims_the_heap_after_large_steps_only(monkeypatch: pytest.Mo
 
     from stride.ipc import messages as m
     from stride.params import SamplingParams
-    from stride.workers import process
+    from stride.workers import cpu_int4, process
     from stride.workers.sampling import Sampler
 
     trims: list[int] = []
-    monkeypatch.setattr(process, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(cpu_int4, "trim_heap", lambda: trims.append(1))
 
     class Runner:
         def step(self, buf: object, num_tokens: int, num_seqs: int) -> torch.Tensor:
