@@ -56,18 +56,12 @@ def cmake_flags(cpu_flags: set[str]) -> tuple[str, ...]:
     return BASE_FLAGS + tuple(f"-D{name}={'ON' if need <= cpu_flags else 'OFF'}" for name, need in OPTIONAL_FLAGS)
 
 
-def this_cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
-
-
 def build_llama_server(build_dir: Path, jobs: int) -> Path:
     """``llama-server`` built in ``build_dir`` for this CPU's instruction sets (nothing done if that build is there
     already: each set of flags has its own build folder, so a machine of another kind never reuses it)."""
-    flags = cmake_flags(this_cpu_flags())
+    from stride.workers.runner import cpu_flags
+
+    flags = cmake_flags(cpu_flags())
     on = [f[len("-DGGML_"):-len("=ON")].lower() for f in flags[len(BASE_FLAGS):] if f.endswith("=ON")]
     build = build_dir / "-".join(["build", "avx2", *on])
     binary = build / "bin" / "llama-server"
