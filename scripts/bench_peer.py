@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -59,7 +60,7 @@ def cmake_flags(cpu_flags: set[str]) -> tuple[str, ...]:
 def build_llama_server(build_dir: Path, jobs: int) -> Path:
     """``llama-server`` built in ``build_dir`` for this CPU's instruction sets (nothing done if that build is there
     already: each set of flags has its own build folder, so a machine of another kind never reuses it)."""
-    from stride.workers.runner import cpu_flags
+    from stride.workers.cpu_int4 import cpu_flags
 
     flags = cmake_flags(cpu_flags())
     on = [f[len("-DGGML_"):-len("=ON")].lower() for f in flags[len(BASE_FLAGS):] if f.endswith("=ON")]
@@ -110,6 +111,20 @@ def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout: float) -> 
     raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
+def wait_compiled(log_path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """A Stride worker building its compiled CPU decode step (the first start on a machine) serves eagerly until it
+    is ready: wait for it, so the figures are those of every later start."""
+    if b"compiling the decode step" not in log_path.read_bytes():
+        return
+    print("waiting for Stride's compiled decode step to build (the first start on this machine)", flush=True)
+    deadline = time.monotonic() + timeout
+    while not re.search(rb"compiled decode step built|compiled decode step failed|could not load the compiled",
+                        log_path.read_bytes()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the compiled decode step did not build (see {log_path})")
+        time.sleep(1)
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -139,6 +154,7 @@ def serve_and_measure(name: str, command: list[str], base_url: str, args: argpar
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(base_url, proc, args.ready_timeout)
+        wait_compiled(log_path, proc, args.ready_timeout)
         out = {}
         for c in args.concurrency:
             print(f"--- {name}, {c} concurrent", flush=True)

@@ -5,7 +5,7 @@ Each batch of B sequences is prefilled with a short prompt, then timed over --st
 = B × steps / time. On CUDA it also measures copy bandwidth in the same run and prints the batch-1 figure as
 a fraction of the roofline (weight bytes read per token over that bandwidth). Prints figures; asserts nothing.
 
-    python scripts/bench_worker.py                       # SmolLM2 GGUF on CPU, float32
+    python scripts/bench_worker.py                       # SmolLM2 GGUF on CPU (STRIDE_CPU_COMPILE=0: eager steps)
     python scripts/bench_worker.py --model /tmp/llama8b --device cuda --dtype bfloat16 --backends torch,triton
 
 With several --backends the same runner (weights and cache) is timed under each attention backend in turn,
@@ -178,12 +178,20 @@ def main() -> int:
                           attention_backend="triton" if args.graphs else backends[0] if backends else "",
                           quantize=args.quantize)
     runner = ModelRunner(RunnerConfig(worker, num_blocks=need))
+    if runner.compiled is not None and runner.compiled.building:  # the first start on this machine
+        print("waiting for the compiled CPU decode step to build (STRIDE_CPU_COMPILE=0 times the eager step)",
+              flush=True)
+        while runner.compiled.building:
+            time.sleep(1)
+            runner.compiled.poll()
     graphs, runner.graphs = runner.graphs, None
     set_pdl(False)  # the runner allowed PDL (STRIDE_PDL's default); its graphs are captured on their first step
+    ready = runner.compiled.ready if runner.compiled is not None else None
     print(
         f"model {args.model or 'default (SmolLM2-135M GGUF)'}: {runner.args.family}, "
         f"{runner.device}/{runner.dtype}, loaded in {time.perf_counter() - t:.1f} s, "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}, compiled CPU decode step "
+        f"{f'for steps of up to {ready.step.max_rows} rows' if ready is not None else 'none'}"
     )
     all_rates: dict[str, dict[int, float]] = {}
     modes = backends or [runner.backend.name]

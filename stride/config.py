@@ -260,6 +260,10 @@ class WorkerConfig:
     cpu_int8_head: bool = field(default_factory=env.CPU_INT8_HEAD.get_bool)
     """On a CPU in bf16, the output projection also keeps an int8 copy with a scale per vocabulary row, and the same
     small steps compute their logits on it (:func:`stride.workers.cpu_int4.attach_head`)."""
+    cpu_compile: bool = field(default_factory=env.CPU_COMPILE.get_bool)
+    """On a CPU, run decode steps of up to 64 sequences (dense models) through the decode step compiled ahead of time
+    (:mod:`stride.workers.cpu_step`): built in the background at the first start (eager steps until it is ready) and
+    cached; needs a C++ compiler."""
     w4a16: str = field(default_factory=env.W4A16.get)
     """Keep a GGUF's Q4 projections 4-bit on the W4A16 GEMM: ``1`` on, ``0`` off (dequantised to the run dtype);
     empty: on with the triton backend on CUDA."""

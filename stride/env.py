@@ -62,6 +62,18 @@ CPU_INT8_HEAD = EnvVar(
     "STRIDE_CPU_INT8_HEAD", "1",
     "'1' (default): on a CPU in bf16, the output projection also keeps an int8 copy (per-row scales), on which "
     "small steps (as STRIDE_CPU_INT4's) compute their logits; '0': bf16 only.")
+CPU_COMPILE = EnvVar(
+    "STRIDE_CPU_COMPILE", "1",
+    "'1' (default): a CPU worker runs its decode steps (up to 64 sequences, dense models) through a compiled step "
+    "(AOTInductor, built once in the background and cached; needs a C++ compiler); '0': every step eagerly.")
+CPU_STEP_CACHE = EnvVar(
+    "STRIDE_CPU_STEP_CACHE", "",
+    "Folder of the compiled CPU decode steps (default: ~/.cache/stride/cpu_step).")
+CONTROL_NICE = EnvVar(
+    "STRIDE_CONTROL_NICE", "10",
+    "When the worker runs on the CPU, the frontend, tokenizers and scheduler lower their priority by this much "
+    "(nice), so the worker's threads keep the cores: one client on a 2-core machine got 1.47x the tokens/s "
+    "(docs/perf-log.md); '0' leaves them at the launcher's priority.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")
@@ -80,7 +92,7 @@ TRITON_INTERPRET = EnvVar(
 
 REGISTRY: tuple[EnvVar, ...] = (
     RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, CPU_INT8_HEAD,
-    AUTOTUNE_CACHE, PDL, TRITON_INTERPRET,
+    CPU_COMPILE, CPU_STEP_CACHE, CONTROL_NICE, AUTOTUNE_CACHE, PDL, TRITON_INTERPRET,
 )
 
 

@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("STRIDE_CHECK_INVARIANTS", "1")
+# A CPU worker would otherwise build its compiled decode step (a minute of a core) in every test that makes one;
+# tests/workers/test_cpu_step.py turns it on where it is the subject.
+os.environ.setdefault("STRIDE_CPU_COMPILE", "0")
 
 
 

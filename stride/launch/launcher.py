@@ -272,7 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-hang-timeout", type=float, default=WorkerConfig.hang_timeout_s, metavar="SECONDS",
                    help="a worker rank silent this long is taken as hung: the launch fails its requests and ends")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly (no CUDA graphs for decode steps)")
+                   help="run every step eagerly (no CUDA graphs for decode steps; on a CPU, no compiled decode step)")
     p.add_argument("--host", default=ServerConfig.host)
     p.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
     p.add_argument("--served-model-name", default=ServerConfig.model_name)
@@ -330,6 +330,7 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, dtype=args.dtype, gpu=args.gpu,
                             tensor_parallel_size=args.tp, num_threads=args.threads,
                             cuda_graphs=not args.enforce_eager, quantize=args.quantize,
+                            cpu_compile=not args.enforce_eager and env.CPU_COMPILE.get_bool(),
                             hang_timeout_s=args.rank_hang_timeout,
                             **({"device": args.device} if args.device else {})),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,

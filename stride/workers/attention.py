@@ -103,6 +103,32 @@ class AttentionMetadata:
         )
 
 
+    @staticmethod
+    def decode_only(positions: torch.Tensor, blocks: torch.Tensor, block_size: int) -> AttentionMetadata:
+        """A decode-only step from tensors alone, with no host reads (so ``torch.export`` can trace it: the compiled
+        CPU step, :mod:`stride.workers.cpu_step`): sequence ``i``'s one token at ``positions[i]`` over the
+        ``positions[i] + 1`` keys of its blocks ``blocks[i]`` (int64, every entry a valid block; those past the
+        context are masked). The host-side fields are empty, so only the reference backend can run it: its
+        decode plan is made here, over whole blocks."""
+        rows = torch.arange(blocks.shape[0], device=blocks.device)
+        keys = blocks.shape[1] * block_size
+        mask = (torch.arange(keys, device=blocks.device)[None, :] <= positions[:, None])[:, None, :]
+        meta = AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=blocks[rows, positions // block_size] * block_size + positions % block_size,
+            positions=positions,
+            query_start_loc=torch.empty(0, dtype=torch.int32, device=blocks.device),
+            context_lens=(positions + 1).to(torch.int32),
+            block_tables=blocks,
+            query_lens_cpu=np.empty(0, np.int64),
+            context_lens_cpu=np.empty(0, np.int64),
+            max_query_len=1,
+            max_context_len=keys,
+        )
+        meta.memo["torch"] = _TorchPlan(True, None, blocks, keys, mask, [])
+        return meta
+
+
 class AttentionBackend(Protocol):
     """q: (num_tokens, num_heads, head_dim); k/v: (num_tokens, num_kv_heads, head_dim); caches:
     (num_blocks, block_size, num_kv_heads, head_dim). ``attend`` returns q's shape."""

@@ -20,8 +20,12 @@ The packed copies add about a quarter of the bf16 weights' memory.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 GROUP = 32
 """Inputs per scale and minimum (GGUF's Q4 block)."""
@@ -159,6 +163,40 @@ def upcast_large_steps(model: nn.Module) -> int:
                 weight.data = weight.data.float()
             count += 1
     return count
+
+
+def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool) -> int:
+    """A bf16 model's small-step copies as the CPU worker holds them (:func:`attach` with ``int4``,
+    :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``). Returns the rows of
+    the largest step they take (0: none attached)."""
+    max_rows = MAX_ROWS if native_bf16 else EMULATED_MAX_ROWS
+    small_step_rows = 0
+    if int4:
+        count, nbytes = attach(model, max_rows)
+        if count:
+            small_step_rows = max_rows
+            log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
+                     nbytes / 1e6, max_rows)
+    if int8_head:
+        nbytes = attach_head(model, max_rows)
+        if nbytes:
+            small_step_rows = max_rows
+            log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
+                     nbytes / 1e6, max_rows)
+    if not native_bf16:
+        count = upcast_large_steps(model)
+        log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed copies "
+                 "do not take", count)
+    return small_step_rows
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here)."""
+    try:
+        with open(cpuinfo) as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
 
 
 def trim_heap() -> None:

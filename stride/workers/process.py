@@ -52,6 +52,10 @@ TRIM_AFTER_TOKENS = 256
 maps and faults every large activation afresh, cost 42% of the throughput of a prefill-heavy load (perf-log)."""
 
 
+IDLE_POLL_MS = 1000
+"""How often an idle worker checks on the build of its compiled decode step."""
+
+
 class ModelStepper:
     """A real model: :class:`ModelRunner` for the forward, :class:`Sampler` for the tokens."""
 
@@ -83,6 +87,16 @@ class ModelStepper:
         # Penalised sequences see their prompt and earlier output only as the step inputs flow past;
         # they join the sampler when they first sample.
         self._history: dict[int, _History] = {}
+
+    @property
+    def building(self) -> bool:
+        """Whether a compiled CPU decode step is being built beside the worker (:meth:`idle` then picks it up)."""
+        return self.runner.compiled is not None and self.runner.compiled.building
+
+    def idle(self) -> None:
+        """Between steps, with nothing to run: load a compiled decode step whose build finished."""
+        if self.runner.compiled is not None:
+            self.runner.compiled.poll()
 
     @property
     def graphed(self) -> bool:
@@ -261,12 +275,12 @@ def run(config: StrideConfig, rank: int = 0) -> int:
     control: PushQueue[m.Message] = PushQueue(ctx, config.ipc.control_address())
     buf = None
     masks: MaskBuffer | None = None
+    stepper: ModelStepper | SimStepper | None = None
     beating = threading.Event()
     try:
         def progress(message: str, fraction: float) -> None:
             control.put(m.Progress("worker", message, fraction))
 
-        stepper: ModelStepper | SimStepper
         if config.worker.backend == "sim":
             stepper = SimStepper(config)
         else:
@@ -298,7 +312,11 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                     log.warning("rank 0 waiting for the masks of step %d got %s", step, type(got).__name__)
 
         while True:
-            msg = inbox.get()
+            # While a compiled decode step is being built, an idle worker looks for it once a second.
+            building = stepper.building if isinstance(stepper, ModelStepper) else False
+            msg = inbox.get(IDLE_POLL_MS if building else None)
+            if msg is None and isinstance(stepper, ModelStepper):
+                stepper.idle()
             if msg is None or isinstance(msg, m.MasksReady):  # (masks are taken inside their step)
                 continue
             taken = time.perf_counter()
@@ -329,6 +347,8 @@ def run(config: StrideConfig, rank: int = 0) -> int:
         return 1
     finally:
         beating.set()
+        if isinstance(stepper, ModelStepper):
+            stepper.runner.close()
         if buf is not None:
             buf.close()
         if masks is not None:

@@ -20,6 +20,7 @@ from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks
 from stride.planner.memory import MAX_GRAPH_BATCH
 from stride.workers.attention import AttentionContext, AttentionMetadata
 from stride.workers.backends import get_backend
+from stride.workers.cpu_int4 import cpu_flags
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
@@ -29,15 +30,6 @@ from stride.workers.parallel import TensorParallel, apply_tensor_parallel
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here)."""
-    try:
-        with open(cpuinfo) as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
 
 
 _NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
@@ -204,26 +196,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.last_step_graphed = False
         """Whether the last :meth:`forward` replayed a decode graph (the step timeline counts those apart)."""
+        self.last_step_compiled = False
+        """Whether the last :meth:`forward` ran the compiled CPU decode step (:mod:`stride.workers.cpu_step`)."""
         use_fused_kernels(self.model, self.backend.fused_layers)
+        small_step_rows = 0  # steps of up to this many rows run on packed copies of some weights (0: none hold one)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
             from stride.workers import cpu_int4
 
-            native = cpu_has_bf16()
-            max_rows = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
-            if worker.cpu_int4:
-                count, nbytes = cpu_int4.attach(self.model, max_rows)
-                if count:
-                    log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
-                             nbytes / 1e6, max_rows)
-            if worker.cpu_int8_head:
-                nbytes = cpu_int4.attach_head(self.model, max_rows)
-                if nbytes:
-                    log.info("the output projection also holds an int8 copy (%.0f MB) for steps of up to %d rows",
-                             nbytes / 1e6, max_rows)
-            if not native:
-                count = cpu_int4.upcast_large_steps(self.model)
-                log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed "
-                         "copies do not take", count)
+            small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, cpu_has_bf16())
+        self.compiled = self._compiled_step(small_step_rows, config)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
 
@@ -253,6 +234,27 @@ class ModelRunner:
         if runner.graphs is not None:
             runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
         return runner
+
+    def _compiled_step(self, small_step_rows: int, config: RunnerConfig) -> Any:
+        """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
+        take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
+        one CPU rank under the reference attention, with packed copies (on this CPU the compiled step is 1.7x eager
+        at one row, 1.2x at four, and slower than eager where the steps multiply in bf16: perf-log)."""
+        worker = config.worker
+        if not (worker.cpu_compile and small_step_rows and self.device.type == "cpu" and self.backend.name == "torch"
+                and not self.args.num_experts and self.tp.size == 1):
+            return None
+        from stride.workers import cpu_step
+
+        if not cpu_step.compiler_available():
+            log.info("no C++ compiler found: decode steps run eagerly (STRIDE_CPU_COMPILE=0 silences this)")
+            return None
+        from stride.model.files import default_model_path
+
+        settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
+                    "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": cpu_has_bf16()}
+        step = cpu_step.StepRange(1, small_step_rows, -(-config.max_model_len // self.block_size), self.block_size)
+        return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
 
     def _graphs_wanted(self, enabled: bool) -> bool:
         """Decode graphs need the Triton backend (the torch one reads lengths on the host) and a forward with
@@ -292,7 +294,8 @@ class ModelRunner:
             raise ValueError(f"a context of {int(ctx_lens.max())} tokens needs {max_blocks} blocks but the block "
                              f"table has {width} columns")
         rows = all_tables[slots, :max_blocks]
-        used = rows[np.arange(max_blocks)[None, :] < (-(-ctx_lens // self.block_size))[:, None]]
+        in_context = np.arange(max_blocks)[None, :] < (-(-ctx_lens // self.block_size))[:, None]
+        used = rows[in_context]
         if used.size and (used.min() < 0 or used.max() >= self.num_blocks):
             raise ValueError(f"block table names a block outside 0..{self.num_blocks - 1}")
         tables_host = torch.from_numpy(np.ascontiguousarray(rows))
@@ -303,12 +306,19 @@ class ModelRunner:
         if len(pos_host) != q_lens.sum() or np.any(pos_host != np.repeat(ctx_lens - q_lens, q_lens) + offsets):
             raise ValueError("each sequence's positions must be the last query_len of its context_len")
         decode_only = q_lens.max() == 1
-        self.last_step_graphed = False
+        self.last_step_graphed = self.last_step_compiled = False
         if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
             logits = self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
             if logits is not None:  # else no memory to capture its bucket: eagerly, below
                 self.last_step_graphed = True
                 return logits
+        if self.compiled is not None:
+            self.compiled.poll()
+            step = self.compiled.find(len(q_lens), max_blocks) if decode_only else None
+            if step is not None:  # its inputs on the host: one row of blocks per sequence, past its context block 0
+                self.last_step_compiled = True
+                return step(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), torch.from_numpy(pos_host),
+                            torch.from_numpy(np.where(in_context, rows, 0).astype(np.int64)))
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
         tables = tables_host.to(self.device, torch.int32, non_blocking=True)
@@ -317,6 +327,11 @@ class ModelRunner:
         hidden = self.model(tokens, pos, ctx)
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
+
+    def close(self) -> None:
+        """Stop what runs beside the runner (a compiled step's build: the next start begins it again)."""
+        if self.compiled is not None:
+            self.compiled.close()
 
     def step(self, buffers: Any, num_tokens: int, num_seqs: int) -> torch.Tensor:
         """:meth:`forward` over a :class:`stride.ipc.layouts.StepBuffers` (views, no copies)."""
