@@ -72,8 +72,7 @@ CPU_STEP_CACHE = EnvVar(
 CONTROL_NICE = EnvVar(
     "STRIDE_CONTROL_NICE", "10",
     "When the worker runs on the CPU, the frontend, tokenizers and scheduler lower their priority by this much "
-    "(nice), so the worker's threads keep the cores: one client on a 2-core machine got 1.47x the tokens/s "
-    "(docs/perf-log.md); '0' leaves them at the launcher's priority.")
+    "(nice), so their work per token does not preempt the worker's threads; '0' leaves them at the launcher's.")
 AUTOTUNE_CACHE = EnvVar(
     "STRIDE_AUTOTUNE_CACHE", "",
     "JSON file of autotuned kernel configurations (default: ~/.cache/stride/autotune.json).")

@@ -451,9 +451,9 @@ def _read_line(fd: int) -> bytes:
 
 def yield_cores(worker: WorkerConfig) -> int:
     """In a process beside a CPU worker (frontend, tokenizer, scheduler): lower this process's priority by
-    ``STRIDE_CONTROL_NICE``, so that its bursts of work per token do not preempt the worker's threads (each such
-    preemption stalls the worker's thread team at its next barrier: with one client on a 2-core machine the step took
-    20 ms at equal priority, 14 ms with these processes at nice 10; docs/perf-log.md). Returns the increment applied."""
+    ``STRIDE_CONTROL_NICE``, so that its bursts of work per token do not preempt the worker's threads (a preempted
+    thread stalls the worker's whole thread team at its next barrier: a step of the default model took 2.5x as long
+    with a busy loop beside it on a 2-core machine; docs/perf-log.md). Returns the increment applied."""
     on_cpu = worker.backend == "torch" and (worker.device == "cpu" or (not worker.device and not _cuda_present()))
     step = env.CONTROL_NICE.get_int() if on_cpu else 0
     if step > 0:
