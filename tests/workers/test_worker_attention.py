@@ -103,6 +103,36 @@ def test_paged_attention_notices_a_wrong_block_table() -> None:
     assert (out.double() - expected).abs().max().item() > 1e-2
 
 
+def test_the_traceable_decode_step_equals_dense_attention() -> None:
+    """AttentionMetadata.decode_only (the compiled CPU step's, built from tensors alone): the step's K/V written at
+    the slots its positions name, and attention over whole blocks, masked past each context, equal to dense
+    attention; other blocks (a negative control) are not."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, heads, kv_heads, dim = 16, 6, 2, 32
+    ctx_lens = [1, 17, 300, 64]
+    nb = max(-(-c // block_size) for c in ctx_lens)
+    blocks = torch.randperm(len(ctx_lens) * nb + 3, generator=gen)[: len(ctx_lens) * nb].view(len(ctx_lens), nb)
+    k_cache = torch.zeros(len(ctx_lens) * nb + 3, block_size, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    full_k = [torch.randn(c, kv_heads, dim, generator=gen) for c in ctx_lens]
+    full_v = [torch.randn(c, kv_heads, dim, generator=gen) for c in ctx_lens]
+    for i, c in enumerate(ctx_lens):  # the earlier tokens, cached by earlier steps
+        for j in range(c - 1):
+            k_cache[blocks[i, j // block_size], j % block_size] = full_k[i][j]
+            v_cache[blocks[i, j // block_size], j % block_size] = full_v[i][j]
+    positions = torch.tensor(ctx_lens) - 1
+    meta = AttentionMetadata.decode_only(positions, blocks, block_size)
+    backend = TorchPagedAttention()
+    backend.write_kv(torch.stack([k[-1] for k in full_k]), torch.stack([v[-1] for v in full_v]), k_cache, v_cache, meta)
+    q = torch.randn(len(ctx_lens), heads, dim, generator=gen)
+    expected = torch.cat([dense_attention(q[i : i + 1], full_k[i], full_v[i], positions[i : i + 1], dim**-0.5)
+                          for i in range(len(ctx_lens))])
+    out = backend.attend(q, k_cache, v_cache, meta, dim**-0.5)
+    assert (out.double() - expected).abs().max().item() <= 1e-5
+    wrong = AttentionMetadata.decode_only(positions, blocks.flip(0), block_size)
+    assert (backend.attend(q, k_cache, v_cache, wrong, dim**-0.5).double() - expected).abs().max().item() > 1e-2
+
+
 def sdpa_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float):
     """The reference's attention as it was: SDPA in the run dtype, which rounds inside (negative control)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
