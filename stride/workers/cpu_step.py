@@ -9,21 +9,21 @@ decode-only path, the small-step int4/int8 weights) is exported with ``torch.exp
 into a package; the worker loads it with torch's C++ package loader (no inductor in the serving process) and runs
 the decode steps it covers through it, everything else eagerly as before.
 
-- **Weights are inputs, not constants**: the package holds code only (a few MB), the worker passes its own weight
-  tensors in every call, so no second copy of the model exists and one package serves any checkpoint of the same
-  shapes. The KV caches are inputs too, written in place.
+- **Weights are inputs, not constants**: the package holds code only (~8 MB for the default model), the worker
+  passes its own weight tensors in every call, so no second copy of the model exists. The KV caches are inputs too,
+  written in place.
 - **Dynamic shapes**: one package covers steps of ``min_rows..max_rows`` sequences (one side of the projections'
   small-step branch, :func:`stride.workers.models.layers.project`) and of 1..``max_blocks`` blocks of context, over
   a pool of any size.
 - **Built once, off the serving path**: a child process (``python -m stride.workers.cpu_step``, one thread, lowest
-  priority) loads the model as the worker does and compiles it, about a minute; meanwhile the worker serves eagerly
-  and switches over at the first step after the package is ready. Packages are cached under
+  priority) loads the model as the worker does and compiles it (80-100 s for the default model on a 2-core machine);
+  meanwhile the worker serves eagerly and switches over when the package is ready. Packages are cached under
   ``~/.cache/stride/cpu_step`` (:data:`stride.env.CPU_STEP_CACHE`), keyed by everything that shapes the step: the
   model file, the run settings, the step range, this CPU's flags, torch's version and the source of the modules the
   step is made of. A failed build is remembered there (``<key>.failed``, its log) and not retried until removed.
-- **Same answers**: compiled with ``emulate_precision_casts`` (inductor rounds where eager rounds), so the KV written
-  is eager's bit for bit and the logits agree to float rounding of fused reductions (greedy tokens equal except
-  near-ties; tests/workers/test_cpu_step.py).
+- **Eager's answers**: compiled with ``emulate_precision_casts`` (inductor rounds bf16 where eager rounds), so the
+  K/V written and the logits differ from eager's only by the order of fused float32 sums: the default model's
+  compiled step is as close to the float32 model as the eager bf16 step is (tests/workers/test_cpu_step.py, perf-log).
 
 Needs a C++ compiler (the one inductor finds); without one, or with ``STRIDE_CPU_COMPILE=0``, the worker stays eager.
 """
@@ -243,7 +243,8 @@ class BackgroundStep:
     eagerly (:meth:`poll`, called before each step, loads it when the child is done).
 
     ``settings``: what the child loads the model with (``model`` a file or folder, ``dtype``, ``cpu_int4``,
-    ``cpu_int8_head``: :class:`~stride.config.WorkerConfig` fields), and part of the package's key."""
+    ``cpu_int8_head`` as in :class:`~stride.config.WorkerConfig`, ``native_bf16`` as
+    :func:`stride.workers.runner.cpu_has_bf16` says), and part of the package's key."""
 
     def __init__(self, settings: dict[str, Any], step: StepRange, model: nn.Module,
                  caches: Sequence[torch.Tensor]) -> None:
