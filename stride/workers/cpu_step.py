@@ -23,7 +23,7 @@ the decode steps it covers through it, everything else eagerly as before.
   step is made of. A failed build is remembered there (``<key>.failed``, its log) and not retried until removed.
 - **Eager's answers**: compiled with ``emulate_precision_casts`` (inductor rounds bf16 where eager rounds), so the
   K/V written and the logits differ from eager's only by the order of fused float32 sums: the default model's
-  compiled step is as close to the float32 model as the eager bf16 step is (tests/workers/test_cpu_step.py, perf-log).
+  compiled step is as close to the float32 model as the eager bf16 step is (``scripts/compare_cpu_step.py``).
 
 Needs a C++ compiler (the one inductor finds); without one, or with ``STRIDE_CPU_COMPILE=0``, the worker stays eager.
 """
