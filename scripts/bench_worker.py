@@ -181,9 +181,7 @@ def main() -> int:
     if runner.compiled is not None and runner.compiled.building:  # the first start on this machine
         print("waiting for the compiled CPU decode step to build (STRIDE_CPU_COMPILE=0 times the eager step)",
               flush=True)
-        while runner.compiled.building:
-            time.sleep(1)
-            runner.compiled.poll()
+        runner.compiled.wait()
     graphs, runner.graphs = runner.graphs, None
     set_pdl(False)  # the runner allowed PDL (STRIDE_PDL's default); its graphs are captured on their first step
     ready = runner.compiled.ready if runner.compiled is not None else None

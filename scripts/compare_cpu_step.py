@@ -41,10 +41,7 @@ def main() -> int:
     if compiled.compiled is None:
         raise SystemExit("no compiled step here (no C++ compiler, or no packed small-step weights)")
     started = time.monotonic()
-    while compiled.compiled.building:
-        time.sleep(1)
-        compiled.compiled.poll()
-    if compiled.compiled.ready is None:
+    if compiled.compiled.wait() is None:
         raise SystemExit(f"the compiled step did not build: {compiled.compiled.path.with_suffix('.failed')}")
     print(f"compiled step ready after {time.monotonic() - started:.0f} s")
     table = np.arange(16, dtype=np.int32)[None, :]

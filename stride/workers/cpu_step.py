@@ -296,6 +296,16 @@ class BackgroundStep:
         except Exception as exc:  # a package that does not load: eager, said once
             log.warning("could not load the compiled decode step %s (%s): decode steps stay eager", self.path, exc)
 
+    def wait(self, timeout: float | None = None) -> CompiledStep | None:
+        """Block until a build under way ends (or ``timeout`` seconds pass), loading its package; the compiled step,
+        None if there is none (the build failed, timed out, or there was nothing to load). For scripts and tests: the
+        worker never waits, it polls."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.building and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.5)
+            self.poll()
+        return self.ready
+
     def find(self, rows: int, blocks: int) -> CompiledStep | None:
         """The compiled step if it is ready and covers a decode step of ``rows`` sequences over ``blocks`` blocks."""
         ready = self.ready

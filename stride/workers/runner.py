@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_m
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import W4A16Linear, use_fused_kernels
 from stride.workers.parallel import TensorParallel, apply_tensor_parallel
+
+if TYPE_CHECKING:  # imported where it runs: only a CPU worker that compiles its step loads it
+    from stride.workers.cpu_step import BackgroundStep
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +203,13 @@ class ModelRunner:
         """Whether the last :meth:`forward` ran the compiled CPU decode step (:mod:`stride.workers.cpu_step`)."""
         use_fused_kernels(self.model, self.backend.fused_layers)
         small_step_rows = 0  # steps of up to this many rows run on packed copies of some weights (0: none hold one)
+        native = False
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
             from stride.workers import cpu_int4
 
-            small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, cpu_has_bf16())
-        self.compiled = self._compiled_step(small_step_rows, config)
+            native = cpu_has_bf16()
+            small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native)
+        self.compiled = self._compiled_step(small_step_rows, native, config) if small_step_rows else None
         if graphs and self.device.type == "cuda" and worker.pdl:
             from kernels.common import set_pdl  # loaded with the triton backend already
 
@@ -235,13 +240,13 @@ class ModelRunner:
             runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
         return runner
 
-    def _compiled_step(self, small_step_rows: int, config: RunnerConfig) -> Any:
+    def _compiled_step(self, small_step_rows: int, native_bf16: bool, config: RunnerConfig) -> BackgroundStep | None:
         """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
         take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
         one CPU rank under the reference attention, with packed copies (on this CPU the compiled step is 1.7x eager
         at one row, 1.2x at four, and slower than eager where the steps multiply in bf16: perf-log)."""
         worker = config.worker
-        if not (worker.cpu_compile and small_step_rows and self.device.type == "cpu" and self.backend.name == "torch"
+        if not (worker.cpu_compile and self.device.type == "cpu" and self.backend.name == "torch"
                 and not self.args.num_experts and self.tp.size == 1):
             return None
         from stride.workers import cpu_step
@@ -252,7 +257,7 @@ class ModelRunner:
         from stride.model.files import default_model_path
 
         settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
-                    "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": cpu_has_bf16()}
+                    "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16}
         step = cpu_step.StepRange(1, small_step_rows, -(-config.max_model_len // self.block_size), self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
 

@@ -3,7 +3,6 @@ runner for the decode steps it covers, with eager's answers."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +19,11 @@ BLOCK = 16
 
 
 def wait_ready(runner: ModelRunner, timeout: float = 900.0) -> cpu_step.CompiledStep:
-    """Poll the runner's build (as its steps do) until the package is loaded."""
-    deadline = time.monotonic() + timeout
-    while runner.compiled.ready is None:
-        assert runner.compiled.building, "the build ended without a package (see the .failed log in the cache)"
-        assert time.monotonic() < deadline, "the compiled step took too long to build"
-        time.sleep(0.5)
-        runner.compiled.poll()
-    return runner.compiled.ready
+    """The runner's compiled step once its build is done (as the worker's polls would load it)."""
+    package = runner.compiled.wait(timeout)
+    assert not runner.compiled.building, "the compiled step took too long to build"
+    assert package is not None, "the build ended without a package (see the .failed log in the cache)"
+    return package
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +128,7 @@ def test_a_failed_build_leaves_the_worker_eager_and_is_not_retried(gguf: Path, t
     step = cpu_step.StepRange(1, 4, 4, BLOCK)
     build = cpu_step.BackgroundStep(settings, step, model, [])
     assert build.building
-    deadline = time.monotonic() + 120
-    while build.building and time.monotonic() < deadline:
-        time.sleep(0.2)
-        build.poll()
-    assert build.ready is None and build.find(1, 1) is None
+    assert build.wait(120) is None and not build.building and build.find(1, 1) is None
     failed = list(tmp_path.glob("*.failed"))
     assert len(failed) == 1 and "no-such-dtype" in failed[0].read_text()
     again = cpu_step.BackgroundStep(settings, step, model, [])
