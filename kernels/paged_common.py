@@ -13,20 +13,18 @@ included (their K/V are already in the cache), so query i of s sits at position
 context_lens[s] - query_len + i and attends causally to keys 0..that position.
 Scores use exp2 with log2(e) folded into the scale; partial maxima are kept in that base-2 domain.
 
-Precision: for bf16/fp16 caches both kernels compute float32 maths on the cached values and round once, at
-the output, so they agree with the float32 reference (and the worker's torch backend, which does the same)
-to that one rounding. Scores are float32 dots of the 16-bit q and k (exact products, float32 sums). The
-probabilities P stay float32: a single 16-bit P in the P@V dot would round each one by up to 2^-9 while the
-row sum l_i adds the unrounded ones, an error of a fraction of an output ulp that flips the output's
-rounding on a good share of elements (and, through a deep network, the logits). So P is split into
-hi = P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in
-float32: P to about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA
-beside the two of q.k and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which
-does not change, and on an H200 it kept its bandwidth (docs/perf-log.md, second pass); the extend (prefill)
-kernel pays it: 25-33% longer than one P@V on an H200 (docs/perf-log.md, fourth pass). Float32 caches need none
-of this (P is never rounded). ROUND_P_BEFORE_PV switches the split off, for the tests' negative control and
-the benchmark's price of the split.
-"""
+Precision: for bf16/fp16 caches (and float8_e4m3fn ones, widened at load: :data:`FP8_CACHE`) both kernels compute
+float32 maths on the cached values and round once, at the output, so they agree with the float32 reference (and the
+worker's torch backend, which does the same) to that one rounding. Scores are float32 dots of the 16-bit q and k
+(exact products, float32 sums). The probabilities P stay float32: a single 16-bit P in the P@V dot would round each
+one by up to 2^-9 while the row sum l_i adds the unrounded ones, an error of a fraction of an output ulp that flips
+the output's rounding on a good share of elements (and, through a deep network, the logits). So P is split into hi =
+P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in float32: P to
+about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA beside the two of q.k
+and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which does not change, and on an H200 it
+kept its bandwidth (docs/perf-log.md, second pass); the extend (prefill) kernel pays it: 25-33% longer than one P@V
+on an H200 (docs/perf-log.md, fourth pass). Float32 caches need none of this (P is never rounded). ROUND_P_BEFORE_PV
+switches the split off, for the tests' negative control and the benchmark's price of the split. """
 
 from __future__ import annotations
 
@@ -37,6 +35,11 @@ import triton.language as tl
 from kernels.common import check_float, dot
 
 LOG2E = 1.4426950408889634
+
+FP8_CACHE = torch.float8_e4m3fn
+"""The 8-bit cache dtype (``--kv-dtype fp8``): the kernels widen each loaded key and value to q's dtype (exactly:
+every float8_e4m3fn value is a bfloat16 one) and attend as over a 16-bit cache; the error is all in the writing,
+which rounds each value to 3 mantissa bits (:func:`kernels.rope.to_fp8`, and the torch backend's own)."""
 
 ROUND_P_BEFORE_PV = False
 """True rounds P to the cache dtype before one P@V dot (the old kernels): the tests' negative control, which
@@ -64,7 +67,8 @@ def check_cache(
 ) -> None:
     check_float("q", q)
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches: (blocks, block, kv_heads, dim)"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype"
+    assert k_cache.dtype in (q.dtype, FP8_CACHE), "the caches must be in q's dtype or float8_e4m3fn"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "caches must be contiguous in head_dim"
     assert q.stride(-1) == 1, "q must be contiguous in head_dim"
     num_heads, num_kv_heads = q.shape[-2], k_cache.shape[2]

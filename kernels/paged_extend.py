@@ -64,7 +64,7 @@ def _extend_kernel(
         slot = offs_n % PAGE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = page * stride_kb + slot * stride_kt + kv_head * stride_kh
-        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
         # Key 0 is visible to every row, so no row is all -inf after the first step.
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
@@ -73,7 +73,7 @@ def _extend_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]

@@ -76,6 +76,30 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _fp8_rounded(x):
+    """float32 ``x`` on float8_e4m3fn's grid, kept in float32: nearest-even, saturated at +-448 (what the reference
+    backend's cast gives). Rounded here, so that the cast that stores it is exact: Triton's interpreter rounds some
+    values to the wrong neighbour, and the CPU tests check the cache bit for bit."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    # Normal range (|x| >= 2^-6): 3 mantissa bits kept, nearest-even, by bit arithmetic.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormals: multiples of 2^-9, where 1.5 * 2^14 + |x| rounds |x| to nearest-even (no fused adds in this
+    # kernel); x's sign put back by bits, so that a tiny negative value is -0 as the cast makes it.
+    sub = ((tl.abs(x) + 24576.0) - 24576.0).to(tl.uint32, bitcast=True) | (bits & 0x80000000)
+    return tl.where((bits & 0x7FFFFFFF) >= 0x3C800000, normal, sub.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _to_cache(x, x_dtype: tl.constexpr, cache_dtype: tl.constexpr):
+    """float32 ``x`` (already on ``x_dtype``'s grid) as stored in a cache of ``cache_dtype``."""
+    if cache_dtype == tl.float8e4nv:
+        return _fp8_rounded(x).to(cache_dtype)
+    else:
+        return x.to(cache_dtype)
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     num_q_heads, num_k_heads, half,
@@ -130,16 +154,20 @@ def _rope_kernel(
             tl.store(ptrs + half, out2.to(x1.dtype), mask=mask)
             if CACHE and which == 1:  # the rotated key, and below the value, into the token's cache slot
                 cptrs = kc_ptr + slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
-                tl.store(cptrs, out1.to(x1.dtype), mask=mask)
-                tl.store(cptrs + half, out2.to(x1.dtype), mask=mask)
+                cache_dtype = kc_ptr.dtype.element_ty
+                tl.store(cptrs, _to_cache(out1, x1.dtype, cache_dtype), mask=mask)
+                tl.store(cptrs + half, _to_cache(out2, x1.dtype, cache_dtype), mask=mask)
     if CACHE:
         for h0 in range(0, num_k_heads, BLOCK_H):
             heads = h0 + offs_h
             mask = (heads[:, None] < num_k_heads) & d_mask[None, :]
             vptrs = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
             cptrs = vc_ptr + slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
-            tl.store(cptrs, tl.load(vptrs, mask=mask, other=0.0), mask=mask)
-            tl.store(cptrs + half, tl.load(vptrs + half, mask=mask, other=0.0), mask=mask)
+            cache_dtype = vc_ptr.dtype.element_ty
+            v1 = tl.load(vptrs, mask=mask, other=0.0)
+            v2 = tl.load(vptrs + half, mask=mask, other=0.0)
+            tl.store(cptrs, _to_cache(v1.to(tl.float32), v1.dtype, cache_dtype), mask=mask)
+            tl.store(cptrs + half, _to_cache(v2.to(tl.float32), v1.dtype, cache_dtype), mask=mask)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -156,7 +184,8 @@ class KVWrite:
     """Where :func:`apply_rope_cos_sin` also writes each token's rotated key and its value: ``v`` (num_tokens,
     num_kv_heads, head_dim), the paged caches (num_blocks, block_size, num_kv_heads, head_dim) of k's dtype, and
     ``slots`` (num_tokens,) int64, token t's row ``block * block_size + offset`` of the caches (the attention
-    metadata's ``slot_mapping``)."""
+    metadata's ``slot_mapping``). Caches of float8_e4m3fn (``--kv-dtype fp8``) get each value rounded to nearest-even
+    from k's dtype and saturated at +-448, as the reference backend's ``write_kv`` stores them."""
 
     v: torch.Tensor
     k_cache: torch.Tensor
@@ -168,7 +197,7 @@ def _check_kv_write(k: torch.Tensor, kv: KVWrite) -> None:
     assert kv.v.shape == k.shape and kv.v.dtype == k.dtype and kv.v.stride(2) == 1, "v must be laid out like k"
     for name, c in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
         assert c.dim() == 4 and c.shape[2:] == k.shape[1:], f"{name} must be (blocks, block_size, kv_heads, head_dim)"
-        assert c.dtype == k.dtype, f"{name} must be in k's dtype"
+        assert c.dtype in (k.dtype, torch.float8_e4m3fn), f"{name} must be in k's dtype or float8_e4m3fn"
         assert c.is_contiguous(), f"{name} must be contiguous"
     assert kv.v_cache.shape == kv.k_cache.shape, "k_cache and v_cache must have one shape"
     assert kv.slots.shape == (k.shape[0],) and kv.slots.dtype in (torch.int32, torch.int64), "one slot per token"

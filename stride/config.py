@@ -233,6 +233,10 @@ class WorkerConfig:
     dtype: str = ""
     """Run dtype (float32, bfloat16, float16); empty picks bfloat16 on CUDA and on a CPU with native bf16 (AVX-512
     BF16, AMX) or AVX2, float32 on other CPUs (``stride.workers.runner.resolve_device_dtype``)."""
+    kv_dtype: str = "auto"
+    """KV cache dtype: ``auto`` (the run dtype) or ``fp8`` (float8_e4m3fn: half a bf16 cache's bytes, so twice the
+    blocks and half the decode attention's reads, each value rounded to 3 mantissa bits;
+    :data:`stride.workers.attention.FP8_KV`)."""
     tensor_parallel_size: int = 1
     """Ranks (one process per GPU)."""
     gpu: str = "H100-SXM-80GB"
@@ -292,6 +296,8 @@ class WorkerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_dtype must be 'auto' or 'fp8', got {self.kv_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         quantize_group_size(self.quantize)  # ValueError for a value it does not know

@@ -264,6 +264,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"),
                    help="weights and activations (default: bfloat16 on a GPU and on a CPU with native bf16, else "
                         "float32)")
+    p.add_argument("--kv-dtype", default=WorkerConfig.kv_dtype, choices=("auto", "fp8"),
+                   help="KV cache dtype: auto (the run dtype) or fp8 (float8_e4m3fn: twice the blocks, half the "
+                        "decode attention's reads, each key and value rounded to 3 mantissa bits)")
     p.add_argument("--threads", type=int, default=WorkerConfig.num_threads,
                    help="CPU threads of the worker's torch ops (default: one on a GPU, one per core on a CPU)")
     p.add_argument("--quantize", default=WorkerConfig.quantize, metavar="none|w4a16|w4a16-g<N>",
@@ -328,7 +331,7 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                                   max_waiting_requests=args.max_waiting_requests, trace_path=args.trace,
                                   overlap=not args.no_overlap),
         worker=WorkerConfig(model=model, tokenizer=tokenizer, backend=args.backend, dtype=args.dtype, gpu=args.gpu,
-                            tensor_parallel_size=args.tp, num_threads=args.threads,
+                            tensor_parallel_size=args.tp, num_threads=args.threads, kv_dtype=args.kv_dtype,
                             cuda_graphs=not args.enforce_eager, quantize=args.quantize,
                             cpu_compile=not args.enforce_eager and env.CPU_COMPILE.get_bool(),
                             hang_timeout_s=args.rank_hang_timeout,

@@ -156,6 +156,23 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+FP8_KV = torch.float8_e4m3fn
+"""The 8-bit KV cache's dtype (``--kv-dtype fp8``): values rounded to nearest-even, 3 mantissa bits, saturated at
+:data:`FP8_KV_MAX`, no scale (as the keys and values of the models served here stay far inside its range); read back
+exactly into the run dtype. Half the bytes of a bf16 cache, so twice the blocks and half the decode attention's
+reads."""
+
+FP8_KV_MAX = 448.0
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` stores it: a cast, saturated at +-448 for :data:`FP8_KV` (which has no
+    infinity; the Triton backend's fused write rounds the same way, ``kernels/rope.py``)."""
+    if cache_dtype == FP8_KV:
+        x = x.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(cache_dtype)
+
+
 class TorchPagedAttention:
     """Reference backend in plain PyTorch: decodes batched (gather their blocks, one SDPA call), prefill
     chunks one sequence at a time (causal by position over cached keys plus the chunk). Attention itself
@@ -173,8 +190,8 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
     ) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = to_cache(k, k_cache.dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = to_cache(v, v_cache.dtype)
 
     def attend(
         self,

@@ -15,7 +15,20 @@ import torch
 from stride.planner.geometry import ModelGeometry
 from stride.planner.memory import decode_graph_reserve_bytes, num_kv_blocks
 from stride.planner.parallel import Parallelism
+from stride.workers.attention import FP8_KV
 from stride.workers.models import ModelArgs
+
+KV_DTYPES = ("auto", "fp8")
+"""``--kv-dtype`` values: ``auto`` keeps K/V in the run dtype, ``fp8`` in float8_e4m3fn (:data:`FP8_KV`)."""
+
+
+def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype ``--kv-dtype name`` asks for, with ``run_dtype`` the model's."""
+    if name == "auto":
+        return run_dtype
+    if name == "fp8":
+        return FP8_KV
+    raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
 
 
 class KVCache:
@@ -87,27 +100,30 @@ def num_blocks_for_memory(
     max_num_seqs: int,
     tp_size: int = 1,
     graph_table_width: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """Blocks that fit in ``free_bytes`` after the planner's activation reserve (the planner's own formula,
     so a deployment the planner approves gets the cache it planned), and after the decode graphs' reserve
-    when ``graph_table_width`` (block-table columns) is given, i.e. with decode graphs on."""
+    when ``graph_table_width`` (block-table columns) is given, i.e. with decode graphs on. ``dtype`` is the run
+    dtype (activations), ``kv_dtype`` the cache's (default: the run dtype)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     geo = geometry(args)
     graphs = (decode_graph_reserve_bytes(geo, Parallelism(tp_size), max_num_seqs, graph_table_width, elem)
               if graph_table_width else 0)
     # The planner knows 16-bit and 8-bit KV; a float32 cache is two 16-bit ones.
-    blocks_16 = num_kv_blocks(
+    kv_elem = elem if kv_dtype is None else torch.empty(0, dtype=kv_dtype).element_size()
+    blocks = num_kv_blocks(
         geo,
         free_bytes,
         block_size,
-        "bf16",
+        "fp8" if kv_elem == 1 else "bf16",
         tp=tp_size,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         act_bytes=elem,
         extra_reserve=graphs,
     )
-    return blocks_16 * 2 // elem
+    return blocks if kv_elem == 1 else blocks * 2 // kv_elem
 
 
 def free_device_bytes(device: torch.device, memory_utilization: float) -> int:

@@ -22,7 +22,7 @@ from stride.workers.attention import AttentionContext, AttentionMetadata
 from stride.workers.backends import get_backend
 from stride.workers.cpu_int4 import cpu_flags
 from stride.workers.cuda_graphs import DecodeGraphs
-from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory
+from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory, resolve_kv_dtype
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import W4A16Linear, use_fused_kernels
 from stride.workers.parallel import TensorParallel, apply_tensor_parallel
@@ -150,6 +150,7 @@ class ModelRunner:
                              f"{self.tp.rank}/{self.tp.size}")
         block_size, num_blocks, max_num_seqs = config.block_size, config.num_blocks, config.max_num_seqs
         self.device, self.dtype = resolve_device_dtype(worker.device, worker.dtype)
+        self.kv_dtype = resolve_kv_dtype(worker.kv_dtype, self.dtype)
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
         self.backend = get_backend(worker.attention_backend, self.device.type)
@@ -187,7 +188,7 @@ class ModelRunner:
             # capture, after the cache took its share (at start, and for longer contexts on first use).
             num_blocks = num_blocks_for_memory(
                 self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs, tp_size,
-                graph_table_width=-(-config.max_model_len // block_size) if graphs else 0,
+                graph_table_width=-(-config.max_model_len // block_size) if graphs else 0, kv_dtype=self.kv_dtype,
             )
             # The decode graphs' padding block comes out of the measured memory too.
             num_blocks -= int(graphs)
@@ -195,7 +196,7 @@ class ModelRunner:
             if num_blocks < 1:
                 raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
-        self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.dtype, tp_size)
+        self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.kv_dtype, tp_size)
         self.num_blocks = num_blocks
         self.last_step_graphed = False
         """Whether the last :meth:`forward` replayed a decode graph (the step timeline counts those apart)."""
@@ -220,12 +221,13 @@ class ModelRunner:
             if graphs else None
         )
         log.info(
-            "model %s on %s/%s: %d KV blocks of %d tokens (%.2f GiB), attention %s",
+            "model %s on %s/%s: %d KV blocks of %d tokens in %s (%.2f GiB), attention %s",
             self.args.family,
             self.device,
             self.dtype,
             num_blocks,
             block_size,
+            self.kv_dtype,
             self.kv_cache.nbytes / 2**30,
             self.backend.name,
         )
@@ -243,11 +245,12 @@ class ModelRunner:
     def _compiled_step(self, small_step_rows: int, native_bf16: bool, config: RunnerConfig) -> BackgroundStep | None:
         """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
         take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
-        one CPU rank under the reference attention, with packed copies (on this CPU the compiled step is 1.7x eager
-        at one row, 1.2x at four, and slower than eager where the steps multiply in bf16: perf-log)."""
+        one CPU rank under the reference attention, with packed copies and a cache in the run dtype (on this CPU the
+        compiled step is 1.7x eager at one row, 1.2x at four, and slower than eager where the steps multiply in bf16:
+        perf-log)."""
         worker = config.worker
         if not (worker.cpu_compile and self.device.type == "cpu" and self.backend.name == "torch"
-                and not self.args.num_experts and self.tp.size == 1):
+                and not self.args.num_experts and self.tp.size == 1 and self.kv_dtype == self.dtype):
             return None
         from stride.workers import cpu_step
 

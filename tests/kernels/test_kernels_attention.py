@@ -92,6 +92,28 @@ def test_extend_matches_reference_variable_lengths(dtype):
     assert _max_err(out, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_attend_over_fp8_caches(dtype):
+    """float8_e4m3fn caches (``--kv-dtype fp8``): decode (split and not) and extend widen each value exactly and
+    agree with the reference over the same 8-bit caches, to the 16-bit caches' tolerance."""
+    p = _problem([1, 15, 17, 123, 5, 200], [1, 1, 1, 40, 1, 3], dtype=dtype, seed=3)
+    k8, v8 = p["k_cache"].to(paged_common.FP8_CACHE), p["v_cache"].to(paged_common.FP8_CACHE)
+    ref = paged_extend_reference(p["q"], k8, v8, p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"])
+    out = paged_extend(p["q"], k8, v8, p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"],
+                       max_query_len=40, config=ExtendConfig(block_m=16, block_n=32))
+    assert _max_err(out, ref) <= TOL[dtype]
+    d = _problem([1, 15, 17, 123, 5, 200], [1] * 6, dtype=dtype, seed=4)
+    k8, v8 = d["k_cache"].to(paged_common.FP8_CACHE), d["v_cache"].to(paged_common.FP8_CACHE)
+    ref = paged_decode_reference(d["q"], k8, v8, d["block_tables"], d["context_lens"], d["scale"])
+    for cfg in DECODE_CONFIGS:
+        out = paged_decode(d["q"], k8, v8, d["block_tables"], d["context_lens"], d["scale"], config=cfg)
+        assert _max_err(out, ref) <= TOL[dtype]
+    # Negative control: the 8-bit caches change the answer by more than the tolerance, so the check above would
+    # see a kernel that read them as something else (or was handed the 16-bit caches).
+    wide = paged_decode_reference(d["q"], d["k_cache"], d["v_cache"], d["block_tables"], d["context_lens"], d["scale"])
+    assert _max_err(wide, ref) > 4 * TOL[dtype]
+
+
 def test_chunked_extend_equals_one_shot():
     total, chunks = 77, [10, 1, 30, 36]
     p = _problem([total], [total], seed=11)

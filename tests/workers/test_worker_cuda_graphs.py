@@ -191,9 +191,10 @@ def test_cuda_graph_decode_equals_eager(tmp_path: Path) -> None:
     assert all(g.graph is not None and g.replays > 0 for g in graphed.graphs._graphs.values())
 
 
-def test_enforce_eager_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_serve_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import argparse
 
+    from stride.config import WorkerConfig
     from stride.launch.launcher import add_arguments, config_from_args
     from stride.model.files import default_model_path
 
@@ -207,6 +208,11 @@ def test_enforce_eager_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     base = ["--backend", "sim", "--model", "llama-3.1-8b", "--max-model-len", "4096"]
     assert config_from_args(parser.parse_args(base)).worker.cuda_graphs
     assert not config_from_args(parser.parse_args([*base, "--enforce-eager"])).worker.cuda_graphs
+    # The cache dtype travels the same way (``auto`` unless asked), and the config refuses what it does not know.
+    assert config_from_args(parser.parse_args(base)).worker.kv_dtype == "auto"
+    assert config_from_args(parser.parse_args([*base, "--kv-dtype", "fp8"])).worker.kv_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        WorkerConfig(kv_dtype="int8")
 
 
 def test_worker_cache_leaves_the_planners_graph_reserve(tiny_path: Path) -> None:
@@ -224,6 +230,11 @@ def test_worker_cache_leaves_the_planners_graph_reserve(tiny_path: Path) -> None
     block = 16 * geometry(args).kv_bytes_per_token(2)
     assert reserve > 10 * block and graphs < eager
     assert abs((eager - graphs) - reserve / block) <= 1
+    # An 8-bit cache (--kv-dtype fp8) in a bf16 run: the same reserve for activations, blocks of half the bytes.
+    fp8 = num_blocks_for_memory(args, free, 16, torch.bfloat16, 2048, 256, kv_dtype=torch.float8_e4m3fn)
+    assert abs(fp8 - 2 * eager) <= 1
+    f32 = num_blocks_for_memory(args, free, 16, torch.float32, 2048, 256)
+    assert f32 < eager // 2  # float32: blocks twice as large, and a larger activation reserve
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ from kernels.w4a16_format import random_weight
 from kernels.w4a16_policy import W4A16Config
 from stride.model.args import ModelArgs, RopeScaling
 from stride.workers import kernel_configs
-from stride.workers.attention import TorchPagedAttention
+from stride.workers.attention import FP8_KV, TorchPagedAttention, to_cache
 from stride.workers.models import layers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,11 +79,13 @@ def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None
         torch.testing.assert_close(q2[:6].float(), want_q[:6].float(), atol=0.1, rtol=0.02)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                               (torch.bfloat16, FP8_KV), (torch.float32, FP8_KV)])
+def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> None:
     """The fused path's one launch also writes the cache: q and k as the torch path rotates them, and both caches
     as the reference backend's write_kv leaves them (the rotated k and v at each token's slot, every other slot
-    as it was)."""
+    as it was), in the run dtype or in float8_e4m3fn."""
+    cache_dtype = cache_dtype or dtype
     args = ModelArgs(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
                      num_kv_heads=3, head_dim=64, rope_theta=100000.0)
     positions = torch.tensor([5, 6, 7, 40, 41, 0], device=DEVICE)
@@ -91,7 +93,7 @@ def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype) -> None:
     cos, sin = layers.rope_cos_sin(args.inv_freq().to(DEVICE), positions, dtype)
     qkv = _qkv(len(positions), dtype, seed=2)
     q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
-    before_k = torch.full((8, 4, 3, 64), 7.0, dtype=dtype, device=DEVICE)
+    before_k = torch.full((8, 4, 3, 64), 7.0, dtype=cache_dtype, device=DEVICE)
     before_v = torch.full_like(before_k, -7.0)
     want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     want_kc, want_vc = before_k.clone(), before_v.clone()
@@ -101,13 +103,45 @@ def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype) -> None:
     k_cache, v_cache = before_k.clone(), before_v.clone()
     rope.rotate_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    assert _bits(k_cache) == _bits(want_kc) and _bits(v_cache) == _bits(want_vc)
     # Negative controls: the reference wrote 6 of the 32 slots, and other slots give other caches.
-    assert int((want_kc != before_k).flatten(2).any(-1).sum()) == 6
+    assert int((want_kc.float() != before_k.float()).flatten(2).any(-1).sum()) == 6
     k_cache, v_cache = before_k.clone(), before_v.clone()
     qkv2 = _qkv(len(positions), dtype, seed=2)
     rope.rotate_into_cache(qkv2[:, :9], qkv2[:, 9:12], qkv2[:, 12:], cos, sin, k_cache, v_cache, slots.flip(0))
-    assert not torch.equal(k_cache, want_kc) and not torch.equal(v_cache, want_vc)
+    assert _bits(k_cache) != _bits(want_kc) and _bits(v_cache) != _bits(want_vc)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's bytes (torch.equal has no float8 kernel on every device)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_fused_rope_rounds_to_fp8_as_the_reference_does() -> None:
+    """Values written to a float8_e4m3fn cache by the fused launch: bit for bit the reference backend's cast
+    (nearest-even, subnormals, saturation at +-448), over values that exercise each: every float8 value, the midpoints
+    between neighbours (ties), points near them, tiny and huge values."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8_KV).float()
+    grid = grid[~grid.isnan()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(4096, generator=gen) * torch.pow(10.0, torch.empty(4096).uniform_(-4, 3, generator=gen))
+    values = torch.cat([grid, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), wide, torch.tensor([500.0, -1e6])])
+    n = -(-values.numel() // 64)
+    v = torch.zeros(n * 64).index_copy_(0, torch.arange(values.numel()), values).view(n, 1, 64)
+    slots = torch.arange(n, device=DEVICE)
+    q, k = torch.zeros(n, 1, 64, device=DEVICE), torch.zeros(n, 1, 64, device=DEVICE)
+    cos, sin = torch.ones(n, 64, device=DEVICE), torch.zeros(n, 64, device=DEVICE)
+    k_cache = torch.zeros(n, 1, 1, 64, dtype=FP8_KV, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    rope_kernels.apply_rope_cos_sin(q, k, cos, sin, kv=rope_kernels.KVWrite(v.to(DEVICE), k_cache, v_cache, slots))
+    want = to_cache(v, FP8_KV).view(n, 1, 1, 64)
+    assert _bits(v_cache) == _bits(want)
+    # The values do test the rounding: truncation gives other bits, some are ties, some saturate, some are subnormal.
+    truncated = torch.where(v.abs() > 448, v.sign() * 448, v)
+    truncated_bits = truncated.view(torch.int32) & ~((1 << 20) - 1)
+    assert _bits(truncated_bits.view(torch.float32).to(FP8_KV)) != _bits(want)
+    assert (want.float().abs() == 448).sum() >= 3 and ((want.float() != 0) & (want.float().abs() < 2**-6)).any()
 
 
 def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

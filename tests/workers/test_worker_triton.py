@@ -68,6 +68,37 @@ def test_triton_backend_equals_torch_backend_cpu(tiny_path: Path, monkeypatch: p
     assert max((g - w).abs().max().item() for g, w in zip(wrong[3:], want[3:], strict=True)) > 1e-2
 
 
+@torch.inference_mode()
+@cpu_triton
+def test_fp8_kv_cache_both_backends(tiny_path: Path) -> None:
+    """``--kv-dtype fp8``: the caches hold float8_e4m3fn (half the bytes); the triton backend (fused K/V write,
+    kernels over 8-bit caches) computes what the torch one does over the same caches, bit for bit in the caches and
+    to float32 rounding in the logits; and the 8-bit cache is an approximation of the float32 one, not equal to it."""
+    ref = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch",
+                      kv_dtype="fp8")
+    tri = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
+                      kv_dtype="fp8")
+    full = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
+    assert ref.kv_cache.k_caches[0].dtype == tri.kv_cache.k_caches[0].dtype == torch.float8_e4m3fn
+    assert 4 * ref.kv_cache.nbytes == full.kv_cache.nbytes  # float32 run, 8-bit cache
+    steps = Steps(40, 4, ref.args.vocab_size)
+    want, got, wide = steps.run(ref), steps.run(tri), steps.run(full)
+    for layer in range(ref.args.num_layers):
+        for a, b in ((ref.kv_cache.k_caches[layer], tri.kv_cache.k_caches[layer]),
+                     (ref.kv_cache.v_caches[layer], tri.kv_cache.v_caches[layer])):
+            b = b[: a.shape[0]]  # the triton runner keeps one more block: its decode graphs' padding rows'
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"layer {layer}"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-5, f"step {i}: max logit error {err:.3g}"
+    # The 8-bit cache moves the logits (the comparison above is not of two float32 caches), but only a little:
+    # cosine against the float32 cache's logits.
+    moved = max((g - w).abs().max().item() for g, w in zip(want, wide, strict=True))
+    cos = min(torch.nn.functional.cosine_similarity(g.flatten(), w.flatten(), dim=0).item()
+              for g, w in zip(want, wide, strict=True))
+    assert moved > 1e-4 and cos > 0.999, (moved, cos)
+
+
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STRIDE_ATTENTION_BACKEND", raising=False)
     assert get_backend(WorkerConfig().attention_backend, "cpu").name == "torch"
