@@ -39,11 +39,11 @@ def _max_err(out, ref):
 
 
 DECODE_CONFIGS = [DecodeConfig(block_n=16, partition=0), DecodeConfig(block_n=32, partition=64),
-                  DecodeConfig(block_n=16, partition=32)]
+                  DecodeConfig(block_n=16, partition=32), DecodeConfig(block_n=128, partition=0, num_stages=3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["nosplit", "split64", "split32"])
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS, ids=["nosplit", "split64", "split32", "long"])
 def test_decode_matches_reference(dtype, cfg):
     # Ragged lengths: 1, one short of / one past a block, odd, and one long enough to split several times.
     p = _problem([1, 15, 17, 123, 5, 200], [1] * 6, dtype=dtype, seed=cfg.partition)
