@@ -58,6 +58,14 @@ def pv(p, v, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.
     return out
 
 
+def widen_to_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernels attend over an 8-bit cache in fp16: a 16-bit q with :data:`FP8_CACHE` caches. Every
+    float8_e4m3fn value is an fp16 one, and the widening is one instruction on Hopper where widening to bf16 is
+    emulated (the decode kernel ran at a third of the bandwidth it reads bf16 caches at); q (bf16) is exact in fp16
+    between 2^-14 and 65504, and the maths stay float32 as over 16-bit caches."""
+    return k_cache.dtype == FP8_CACHE and q.dtype != torch.float32
+
+
 def split_p(dtype: torch.dtype) -> bool:
     return dtype != torch.float32 and not ROUND_P_BEFORE_PV
 

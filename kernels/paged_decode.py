@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import dot, dot_args, pdl_args, pdl_wait
-from kernels.paged_common import LOG2E, check_cache, out_like, pv, split_p
+from kernels.paged_common import LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
 from kernels.paged_extend import paged_extend_reference
 from kernels.sizes import next_pow2
 
@@ -52,7 +52,7 @@ def _decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)  # first: every program waits, even one with nothing to do
     seq = tl.program_id(0)
@@ -72,6 +72,8 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_F16:  # 8-bit caches widen to fp16 (one instruction on a GPU), so q joins them there (exact in range)
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -190,7 +192,7 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=split_p(q.dtype),
+        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=split_p(q.dtype), KV_F16=widen_to_f16(q, k_cache),
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if split:

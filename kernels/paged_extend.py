@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import dot, dot_args
-from kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p
+from kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p, widen_to_f16
 from kernels.sizes import next_pow2
 
 
@@ -32,7 +32,7 @@ def _extend_kernel(
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -51,6 +51,8 @@ def _extend_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_F16:  # 8-bit caches widen to fp16 (one instruction on a GPU), so q joins them there (exact in range)
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -119,7 +121,7 @@ def paged_extend(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_P=split_p(q.dtype),
-        **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_F16=widen_to_f16(q, k_cache), **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
