@@ -27,16 +27,14 @@ class DecodeConfig:
 
 
 def default_decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int) -> DecodeConfig:
-    # Split until there are about four programs per multiprocessor of an H200 (132).
+    # Split until there are about four programs per multiprocessor of an H200 (132). 128 keys a step and three stages
+    # time faster alone at batch 256 (and far faster over 8-bit caches), but as the served default an 8B at 256
+    # concurrent ran 0.84x (perf-log, 2026-12-03): 64 keys and two stages stay until that is understood.
     partition = 0
     if num_seqs * num_kv_heads < 512:
         partition = max(256, next_pow2(max_context_len * num_seqs * num_kv_heads // 512))
         if partition >= max_context_len:
             partition = 0
-    if partition == 0 and max_context_len > 1024:
-        # Many programs over long contexts: 128 keys a step, three stages in flight. The autotuner's pick on an H200
-        # at 256 x 1,536 and 256 x 2,048 (8 KV heads): 2.2-2.5% faster than 64 keys and two stages (perf-log).
-        return DecodeConfig(block_n=128, partition=0, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=64, partition=partition, num_warps=4, num_stages=2)
 
 
