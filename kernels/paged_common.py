@@ -37,9 +37,10 @@ from kernels.common import check_float, dot
 LOG2E = 1.4426950408889634
 
 FP8_CACHE = torch.float8_e4m3fn
-"""The 8-bit cache dtype (``--kv-dtype fp8``): the kernels widen each loaded key and value to q's dtype (exactly:
-every float8_e4m3fn value is a bfloat16 one) and attend as over a 16-bit cache; the error is all in the writing,
-which rounds each value to 3 mantissa bits (:func:`kernels.rope.to_fp8`, and the torch backend's own)."""
+"""The 8-bit cache dtype (``--kv-dtype fp8``): the kernels widen each loaded key and value exactly (to fp16 beside a
+16-bit q, :func:`widen_to_f16`; to float32 beside a float32 one) and attend as over a 16-bit cache; the error is all
+in the writing, which rounds each value to 3 mantissa bits (``kernels/rope.py``'s ``_fp8_rounded``, and the torch
+backend's cast)."""
 
 ROUND_P_BEFORE_PV = False
 """True rounds P to the cache dtype before one P@V dot (the old kernels): the tests' negative control, which

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import check_float, pdl_args, pdl_wait
+from kernels.paged_common import FP8_CACHE
 from kernels.sizes import next_pow2
 
 
@@ -197,7 +198,7 @@ def _check_kv_write(k: torch.Tensor, kv: KVWrite) -> None:
     assert kv.v.shape == k.shape and kv.v.dtype == k.dtype and kv.v.stride(2) == 1, "v must be laid out like k"
     for name, c in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
         assert c.dim() == 4 and c.shape[2:] == k.shape[1:], f"{name} must be (blocks, block_size, kv_heads, head_dim)"
-        assert c.dtype in (k.dtype, torch.float8_e4m3fn), f"{name} must be in k's dtype or float8_e4m3fn"
+        assert c.dtype in (k.dtype, FP8_CACHE), f"{name} must be in k's dtype or float8_e4m3fn"
         assert c.is_contiguous(), f"{name} must be contiguous"
     assert kv.v_cache.shape == kv.k_cache.shape, "k_cache and v_cache must have one shape"
     assert kv.slots.shape == (k.shape[0],) and kv.slots.dtype in (torch.int32, torch.int64), "one slot per token"

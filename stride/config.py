@@ -24,6 +24,10 @@ def _positive(obj: object, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+KV_DTYPES = ("auto", "fp8")
+"""``--kv-dtype`` values: ``auto`` keeps K/V in the run dtype, ``fp8`` in float8_e4m3fn
+(:data:`stride.workers.attention.FP8_KV`)."""
+
 QUANTIZE_DEFAULT_GROUP = 128
 """Group of ``--quantize w4a16``: GPTQ's and AWQ's usual size; 0.53 bytes per weight with fp16 scales and mins."""
 
@@ -296,8 +300,8 @@ class WorkerConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_dtype must be 'auto' or 'fp8', got {self.kv_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         quantize_group_size(self.quantize)  # ValueError for a value it does not know

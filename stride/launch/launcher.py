@@ -34,7 +34,16 @@ import orjson
 import zmq
 
 from stride import env
-from stride.config import CacheConfig, IpcConfig, LaunchFacts, SchedulerConfig, ServerConfig, StrideConfig, WorkerConfig
+from stride.config import (
+    KV_DTYPES,
+    CacheConfig,
+    IpcConfig,
+    LaunchFacts,
+    SchedulerConfig,
+    ServerConfig,
+    StrideConfig,
+    WorkerConfig,
+)
 from stride.ipc import messages as m
 from stride.ipc.layouts import MaskBuffer, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
@@ -264,7 +273,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=WorkerConfig.dtype, choices=("", "float32", "bfloat16", "float16"),
                    help="weights and activations (default: bfloat16 on a GPU and on a CPU with native bf16, else "
                         "float32)")
-    p.add_argument("--kv-dtype", default=WorkerConfig.kv_dtype, choices=("auto", "fp8"),
+    p.add_argument("--kv-dtype", default=WorkerConfig.kv_dtype, choices=KV_DTYPES,
                    help="KV cache dtype: auto (the run dtype) or fp8 (float8_e4m3fn: twice the blocks, half the "
                         "decode attention's reads, each key and value rounded to 3 mantissa bits)")
     p.add_argument("--threads", type=int, default=WorkerConfig.num_threads,

@@ -12,18 +12,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from stride.config import KV_DTYPES
 from stride.planner.geometry import ModelGeometry
 from stride.planner.memory import decode_graph_reserve_bytes, num_kv_blocks
 from stride.planner.parallel import Parallelism
 from stride.workers.attention import FP8_KV
 from stride.workers.models import ModelArgs
 
-KV_DTYPES = ("auto", "fp8")
-"""``--kv-dtype`` values: ``auto`` keeps K/V in the run dtype, ``fp8`` in float8_e4m3fn (:data:`FP8_KV`)."""
-
 
 def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
-    """The cache dtype ``--kv-dtype name`` asks for, with ``run_dtype`` the model's."""
+    """The cache dtype ``--kv-dtype name`` (:data:`stride.config.KV_DTYPES`) asks for, with ``run_dtype`` the
+    model's."""
     if name == "auto":
         return run_dtype
     if name == "fp8":
