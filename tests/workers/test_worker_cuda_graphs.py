@@ -105,6 +105,33 @@ def test_graph_path_equals_eager_cpu(tiny_path: Path) -> None:
 
 
 @torch.inference_mode()
+def test_warm_up_covers_the_step_kinds_and_changes_nothing(tiny_path: Path) -> None:
+    sizes = dict(device="cpu", num_blocks=40, block_size=4, max_num_batched_tokens=48, max_num_seqs=8,
+                 max_model_len=64)
+    warmed, cold = make_runner(str(tiny_path), **sizes), make_runner(str(tiny_path), **sizes)
+    seen: list[tuple[int, int]] = []  # (decodes, tokens) of each warm-up step
+    forward = warmed.forward
+
+    def spy(tokens, positions, slots, q_lens, ctx, tables):  # type: ignore[no-untyped-def]
+        assert np.all(ctx <= 64) and len(tokens) <= 48 and tables.max() < 40
+        seen.append((int(np.sum(q_lens == 1)), len(tokens)))
+        return forward(tokens, positions, slots, q_lens, ctx, tables)
+
+    warmed.forward = spy  # type: ignore[method-assign]
+    warmed.warm_up()
+    del warmed.forward
+    # A whole chunk alone; chunks beside few and beside many decodes, odd token counts; a decode alone.
+    assert seen == [(0, 48), (3, 34), (7, 38), (1, 1)]
+    # It did write the cache (else the equality below would prove nothing) ...
+    assert any(k.abs().sum() > 0 for k in warmed.kv_cache.k_caches)
+    assert all(k.abs().sum() == 0 for k in cold.kv_cache.k_caches)
+    # ... and serving after it is exactly serving without it: every block is written before it is read.
+    steps = Steps(40, 4, warmed.args.vocab_size)
+    for got, want in zip(steps.run(warmed), steps.run(cold), strict=True):
+        assert torch.equal(got, want)
+
+
+@torch.inference_mode()
 @cpu_triton
 def test_padding_rows_cannot_reach_real_blocks_cpu(tiny_path: Path) -> None:
     runner = make_runner(str(tiny_path), device="cpu", num_blocks=16, block_size=4, attention_backend="triton")
