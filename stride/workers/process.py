@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig
+from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig, quantize_group_size
 from stride.ipc import messages as m
 from stride.ipc.layouts import MAX_TOP_LOGPROBS, MaskBuffer, StepBank, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
@@ -199,8 +199,12 @@ class SimStepper:
         from stride.planner.hardware import get_gpu
         from stride.sim.backend import SimBackend
 
-        geometry = load_geometry(config.worker.model)
-        cost = StepCostModel(geometry, get_gpu(config.worker.gpu), tp=config.worker.tensor_parallel_size)
+        worker = config.worker
+        geometry = load_geometry(worker.model)
+        # Priced as the launch asks: 8-bit K/V read at half the bytes, 4-bit projections (at the default group).
+        cost = StepCostModel(geometry, get_gpu(worker.gpu), tp=worker.tensor_parallel_size,
+                             weights="w4a16" if quantize_group_size(worker.quantize) else "bf16",
+                             kv_dtype="fp8" if worker.kv_dtype == "fp8" else "bf16")
         self.vocab_size = config.facts.vocab_size or geometry.vocab_size
         self.num_blocks = config.cache.num_blocks
         self.backend = SimBackend(config.scheduler.max_num_seqs, self.vocab_size,

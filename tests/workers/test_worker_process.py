@@ -59,3 +59,20 @@ def test_cpu_default_dtype_is_bf16_with_native_bf16_or_avx2(tmp_path: Path, monk
         monkeypatch.setattr(runner, "cpu_runs_bf16", lambda bf16=bf16: bf16)
         assert runner.resolve_device_dtype("cpu", "") == (torch.device("cpu"), want)
         assert runner.resolve_device_dtype("cpu", "float32")[1] == torch.float32  # asked for, always given
+
+
+def test_the_simulated_backend_prices_the_launchs_kv_dtype_and_weights() -> None:
+    """The sim's step time follows --kv-dtype and --quantize as the planner prices them: a decode step over long
+    contexts reads half the K/V bytes at fp8, and 4-bit projections a quarter of the weights'."""
+    from stride.config import IpcConfig, StrideConfig, WorkerConfig
+    from stride.workers.process import SimStepper
+
+    def step_ms(**worker: str) -> float:
+        config = StrideConfig(ipc=IpcConfig(run_dir="/tmp", launch_id="sim"),
+                              worker=WorkerConfig(model="llama-3.1-8b", backend="sim", **worker))
+        return SimStepper(config).backend.step_time(256, 256, 256 * 4096) * 1e3
+
+    plain, fp8, w4 = step_ms(), step_ms(kv_dtype="fp8"), step_ms(quantize="w4a16")
+    assert fp8 < 0.75 * plain  # K/V (256 x 4k tokens, 128 KiB each) dominate this step
+    assert w4 < plain and w4 - plain > fp8 - plain  # the weights are the smaller part here
+    assert step_ms(kv_dtype="auto") == plain  # negative control: the default prices 16-bit K/V
