@@ -236,8 +236,9 @@ class ModelRunner:
     @classmethod
     def from_config(cls, worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig,
                     progress: ProgressCallback | None = None, tp: TensorParallel | None = None) -> ModelRunner:
-        """As the worker process builds it (:meth:`RunnerConfig.from_launch`), with the decode graphs of the
-        shortest context bucket captured now on CUDA, not mid-serving."""
+        """As the worker process builds it (:meth:`RunnerConfig.from_launch`); on CUDA with the Triton kernels the
+        decode graphs of the shortest context bucket are captured and one step of each kind is run
+        (:meth:`warm_up`) now, not mid-serving."""
         runner = cls(RunnerConfig.from_launch(worker, cache, sched, tp.rank if tp else 0), progress, tp)
         if runner.graphs is not None:
             runner.graphs.capture_all(max_blocks_per_seq(sched, cache), progress)
