@@ -24,17 +24,17 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels import autotune as at
-from kernels import autotune_specs as specs
-from kernels import paged_common as pc
-from kernels import paged_decode as pd
-from kernels import paged_extend as pe
-from kernels import rmsnorm as rn
-from kernels import w4a16 as wq
-from kernels import w4a16_format as w4f
-from kernels import w4a16_policy as w4p
-from kernels.common import set_pdl
-from kernels.silu_mul import silu_mul
+from stride.kernels import autotune as at
+from stride.kernels import autotune_specs as specs
+from stride.kernels import paged_common as pc
+from stride.kernels import paged_decode as pd
+from stride.kernels import paged_extend as pe
+from stride.kernels import rmsnorm as rn
+from stride.kernels import w4a16 as wq
+from stride.kernels import w4a16_format as w4f
+from stride.kernels import w4a16_policy as w4p
+from stride.kernels.common import set_pdl
+from stride.kernels.silu_mul import silu_mul
 from stride.workers.kernel_configs import default_cache_path
 
 CUDA = torch.device("cuda")

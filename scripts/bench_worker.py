@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.common import set_pdl
 from stride.config import WorkerConfig
+from stride.kernels.common import set_pdl
 from stride.workers.backends import get_backend
 from stride.workers.cuda_graphs import DecodeGraphs
 from stride.workers.models.layers import use_fused_kernels

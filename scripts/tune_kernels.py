@@ -1,7 +1,7 @@
 """Fill the autotune cache for one model's shapes on this GPU (the worker then launches with those configs).
 
 Reads the model's geometry (HF checkpoint directory or GGUF file; a GGUF needs the ``gguf`` package) and tunes,
-through ``kernels.autotune.tune_and_cache`` (correctness gate on fresh random inputs, CUDA-graph timing, Pareto
+through ``stride.kernels.autotune.tune_and_cache`` (correctness gate on fresh random inputs, CUDA-graph timing, Pareto
 choice), every shape bucket the worker looks up (``stride/workers/kernel_configs.py``):
 
 - paged decode attention for batch x context buckets (--batches x --contexts, contexts past the model's
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from kernels import autotune as at
-from kernels import autotune_specs as specs
+from stride.kernels import autotune as at
+from stride.kernels import autotune_specs as specs
 from stride.model.args import ModelArgs
 from stride.model.files import default_model_path, is_gguf
 from stride.workers.kernel_configs import default_cache_path

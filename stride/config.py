@@ -41,7 +41,8 @@ def quantize_group_size(spec: str) -> int:
     if spec == "w4a16":
         return QUANTIZE_DEFAULT_GROUP
     if spec.startswith("w4a16-g") and spec[7:].isdigit():
-        from kernels.w4a16_policy import is_group_size  # the kernels' own rule (plain arithmetic), read only here
+        # the kernels' own rule (plain arithmetic), read only here
+        from stride.kernels.w4a16_policy import is_group_size
 
         group = int(spec[7:])
         if is_group_size(group):

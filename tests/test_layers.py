@@ -1,6 +1,6 @@
 """The import graph follows the layers: each package imports only the packages below it (the table in
-docs/architecture.md), ``kernels`` imports nothing of ``stride``, no module takes another package's private names,
-and no modules import each other in a circle. Read from the source with ``ast``; nothing is imported."""
+docs/architecture.md), ``stride.kernels`` imports nothing else of ``stride``, no module takes another package's private
+names, and no modules import each other in a circle. Read from the source with ``ast``; nothing is imported."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# package -> the packages it may import (besides itself). "stride" is the base: env, params, config. "kernels"
-# is the leaf below everything (the configuration checks a --quantize group against its torch-free policy module).
+# package -> the packages it may import (besides itself). "stride" is the base: env, params, config.
+# "stride.kernels" is the leaf below everything (the configuration checks a --quantize group against its torch-free
+# policy module).
 ALLOWED: dict[str, set[str]] = {
-    "kernels": set(),
-    "stride": {"kernels"},
+    "stride.kernels": set(),
+    "stride": {"stride.kernels"},
     "stride.ipc": {"stride"},
     "stride.model": {"stride"},
     "stride.planner": {"stride", "stride.model"},
@@ -24,14 +25,14 @@ ALLOWED: dict[str, set[str]] = {
     "stride.sched": {"stride", "stride.ipc", "stride.grammar", "stride.tokenizer"},
     "stride.sim": {"stride", "stride.ipc", "stride.planner", "stride.sched"},
     "stride.tokenizer": {"stride", "stride.ipc", "stride.model", "stride.grammar"},
-    "stride.workers": {"stride", "stride.ipc", "stride.model", "stride.planner", "stride.sim", "kernels"},
-    "stride.diagnose": {"stride", "stride.model", "stride.tokenizer", "stride.workers", "kernels"},
+    "stride.workers": {"stride", "stride.ipc", "stride.model", "stride.planner", "stride.sim", "stride.kernels"},
+    "stride.diagnose": {"stride", "stride.model", "stride.tokenizer", "stride.workers", "stride.kernels"},
     "stride.frontend": {"stride", "stride.ipc"},
     "stride.client": {"stride", "stride.ipc"},
     "stride.launch": {"stride", "stride.ipc", "stride.model", "stride.planner", "stride.grammar", "stride.sched",
                       "stride.sim",
                       "stride.tokenizer", "stride.workers", "stride.frontend", "stride.client", "stride.diagnose",
-                      "kernels"},
+                      "stride.kernels"},
 }
 
 
@@ -46,8 +47,6 @@ def package_of(module: str) -> str:
     """The layer a module belongs to: ``stride.sched.scheduler`` -> ``stride.sched``; ``stride.config`` and
     the other modules at the root of ``stride`` -> ``stride``, except ``__main__`` (the command line)."""
     parts = module.split(".")
-    if parts[0] == "kernels":
-        return "kernels"
     if module == "stride.__main__":
         return "stride.launch"
     if len(parts) >= 2 and f"stride.{parts[1]}" in ALLOWED:
@@ -67,12 +66,12 @@ def imports_of(tree: ast.AST) -> Iterator[tuple[str, list[str]]]:
 
 
 def source_modules(root: Path = ROOT) -> dict[str, ast.AST]:
-    files = [*root.joinpath("stride").rglob("*.py"), *root.joinpath("kernels").rglob("*.py")]
+    files = [*root.joinpath("stride").rglob("*.py")]
     return {module_name(p): ast.parse(p.read_text(), str(p)) for p in files}
 
 
 def _ours(module: str) -> bool:
-    return module == "stride" or module.startswith(("stride.", "kernels"))
+    return module == "stride" or module.startswith("stride.")
 
 
 def violations(modules: dict[str, ast.AST]) -> list[str]:
@@ -152,8 +151,8 @@ def test_no_import_circles() -> None:
 
 @pytest.mark.parametrize("importer, line, why", [
     ("stride.sched.scheduler", "from stride.workers.runner import ModelRunner", "stride.sched may not import"),
-    ("kernels.rmsnorm", "from stride import env", "kernels may not import"),
-    ("stride.frontend.app", "from kernels.sizes import next_pow2", "stride.frontend may not import"),
+    ("stride.kernels.rmsnorm", "from stride import env", "stride.kernels may not import"),
+    ("stride.frontend.app", "from stride.kernels.sizes import next_pow2", "stride.frontend may not import"),
     ("stride.workers.runner", "from stride.sched.scheduler import _free", "private"),
 ])
 def test_the_checks_catch_a_planted_import(importer: str, line: str, why: str) -> None:

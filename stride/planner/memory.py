@@ -82,7 +82,7 @@ def decode_graph_reserve_bytes(g: ModelGeometry, par: Parallelism, max_num_seqs:
 
 def expansion_scratch_bytes(g: ModelGeometry, par: Parallelism, act_bytes: int = 2) -> int:
     """4-bit weights (W4A16, GGUF Q4): the 16-bit scratch matrix a rank expands its largest projection into for
-    steps of many rows (``kernels/w4a16.py``): the largest of the merged q/k/v, o, merged gate/up and down
+    steps of many rows (``stride/kernels/w4a16.py``): the largest of the merged q/k/v, o, merged gate/up and down
     projections, as sharded on the rank (dense MLPs; an MoE model's attention projections)."""
     q_r = g.num_heads // par.tp * g.head_dim
     kv_r = kv_heads_per_rank(g, par.tp) * g.head_dim

@@ -167,7 +167,7 @@ FP8_KV_MAX = 448.0
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` stores it: a cast, saturated at +-448 for :data:`FP8_KV` (which has no
-    infinity; the Triton backend's fused write rounds the same way, ``kernels/rope.py``)."""
+    infinity; the Triton backend's fused write rounds the same way, ``stride/kernels/rope.py``)."""
     if cache_dtype == FP8_KV:
         x = x.clamp(-FP8_KV_MAX, FP8_KV_MAX)
     return x.to(cache_dtype)
@@ -277,7 +277,7 @@ def _sdpa(
 
     Computed in float32 from the (bf16/fp16) inputs and rounded once, at the output: a 16-bit SDPA rounds
     inside (the probabilities before P@V, each kernel at its own places), and the Triton backend must be
-    able to agree with the reference to that one rounding (see ``kernels/paged_decode.py``).
+    able to agree with the reference to that one rounding (see ``stride/kernels/paged_decode.py``).
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     out = F.scaled_dot_product_attention(

@@ -1,4 +1,4 @@
-"""The Triton attention backend: the kernels of ``kernels/paged_decode.py`` behind the worker's seam.
+"""The Triton attention backend: the kernels of ``stride/kernels/paged_decode.py`` behind the worker's seam.
 
 Imported only when the ``triton`` backend is asked for (``get_backend``), so a CPU-only process never loads
 Triton, and never has ``kernels`` switch on the interpreter behind its back. On a machine without CUDA,
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_decode import paged_decode
-from kernels.paged_extend import paged_extend
+from stride.kernels.paged_decode import paged_decode
+from stride.kernels.paged_extend import paged_extend
 from stride.workers.attention import AttentionMetadata, TorchPagedAttention
 from stride.workers.kernel_configs import for_device
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from kernels.w4a16_format import W4A16Weight
+    from stride.kernels.w4a16_format import W4A16Weight
 
 Region = tuple[int, int, int] | None
 """``(dim, start, length)`` of a checkpoint tensor, or ``None``: the whole tensor."""
@@ -60,14 +60,14 @@ def narrow(part: Part, region: Region) -> Part:
     dim, start, length = region
     if isinstance(part, torch.Tensor):
         return part.narrow(dim, start, length)
-    from kernels import w4a16_format
+    from stride.kernels import w4a16_format
 
     return w4a16_format.narrow(part, dim, start, length)
 
 
 def packed(part: Part) -> W4A16Weight:
     """``part`` as the packed weight a 4-bit module loads (a clear error for a dense one)."""
-    from kernels.w4a16_format import W4A16Weight
+    from stride.kernels.w4a16_format import W4A16Weight
 
     if not isinstance(part, W4A16Weight):
         raise TypeError(f"expected a packed W4A16 weight, got {type(part).__name__}")

@@ -70,7 +70,7 @@ SmolLM2 worker end to end 6-10% slower at 16, so larger buckets are captured pla
 @contextmanager
 def pdl_for_batch(batch: int) -> Iterator[None]:
     """Within: PDL launches allowed only if they were and ``batch <= PDL_MAX_BATCH``; restored after."""
-    from kernels.common import pdl_allowed, set_pdl  # the triton backend's (only its steps are captured)
+    from stride.kernels.common import pdl_allowed, set_pdl  # the triton backend's (only its steps are captured)
 
     allowed = pdl_allowed()
     set_pdl(allowed and batch <= PDL_MAX_BATCH)

@@ -1,7 +1,7 @@
 """Tensors and shape of a GGUF file, under HF names, each read by region from the memory-mapped file (a rank's rows,
 or its inputs as whole quantisation blocks): dequantised to float32 with the ``gguf`` package (llama.cpp's Q/K row
 permutation undone, as transformers does when it loads a GGUF, so the two give the same model), or -- for the
-Q4_0/Q4_1 projections the 4-bit path keeps -- repacked as :class:`kernels.w4a16_format.W4A16Weight`. Names come
+Q4_0/Q4_1 projections the 4-bit path keeps -- repacked as :class:`stride.kernels.w4a16_format.W4A16Weight`. Names come
 from :mod:`stride.model.tensor_names`."""
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _packed_reader(raw: np.ndarray, qtype: str, kind: str, args: ModelArgs, scal
     """A Q4_0/Q4_1 projection read as a W4A16Weight. The reader gives one row of blocks per output row (N, bytes),
     and a row's blocks are that row alone, so q/k are un-permuted on the raw rows before repacking: the same rows
     move as in the dequantised path, i.e. the same columns of qweight/scales/mins."""
-    from kernels.w4a16_format import from_gguf_q4
+    from stride.kernels.w4a16_format import from_gguf_q4
 
     block_bytes = 18 if qtype == "Q4_0" else 20
 

@@ -1,7 +1,7 @@
 """Autotuned launch configurations for the worker's kernel call sites.
 
-``scripts/tune_kernels.py`` (or ``scripts/bench_kernels.py``) fills the :class:`kernels.autotune.AutotuneCache`
-file on a GPU, under that GPU's name, a kernel name and a shape bucket (``kernels/autotune_specs.py``). A
+``scripts/tune_kernels.py`` (or ``scripts/bench_kernels.py``) fills the :class:`stride.kernels.autotune.AutotuneCache`
+file on a GPU, under that GPU's name, a kernel name and a shape bucket (``stride/kernels/autotune_specs.py``). A
 worker on CUDA with the triton backend reads that file once (:func:`for_device`); each fused call site then
 asks :class:`KernelConfigs` for the config of its shape. The first call in a bucket reads the cache's entry,
 every later one is a dict lookup. ``None`` means "no tuned config": the launcher uses its heuristic.
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from kernels import autotune as at
-from kernels import autotune_specs as specs
-from kernels.sizes import next_pow2
 from stride import env
+from stride.kernels import autotune as at
+from stride.kernels import autotune_specs as specs
+from stride.kernels.sizes import next_pow2
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class KernelConfigs:
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
-        """:class:`kernels.paged_decode.DecodeConfig` for a decode-only step, or None."""
+        """:class:`stride.kernels.paged_decode.DecodeConfig` for a decode-only step, or None."""
         # The bucket rounds batch and context up to powers of two; so does this key.
         key = ("decode", next_pow2(num_seqs), next_pow2(max_context_len), num_heads, num_kv_heads, head_dim,
                block_size, dtype)
@@ -51,24 +51,24 @@ class KernelConfigs:
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
         max_query_len: int, max_context_len: int, dtype: torch.dtype,
     ) -> Any | None:
-        """:class:`kernels.paged_extend.ExtendConfig` for a step with prefill chunks, or None."""
+        """:class:`stride.kernels.paged_extend.ExtendConfig` for a step with prefill chunks, or None."""
         key = ("extend", next_pow2(num_seqs), next_pow2(max_query_len), next_pow2(max_context_len), num_heads,
                num_kv_heads, head_dim, block_size, dtype)
         return self._config(specs.PAGED_EXTEND, key, lambda: specs.ExtendShape(
             key[1], num_heads, num_kv_heads, head_dim, block_size, key[2], key[3], dtype))
 
     def w4a16(self, m: int, n: int, k: int, group_size: int, dtype: torch.dtype) -> Any | None:
-        """:class:`kernels.w4a16.W4A16Config` for an (m, k) x (k, n) product, or None."""
+        """:class:`stride.kernels.w4a16.W4A16Config` for an (m, k) x (k, n) product, or None."""
         key = ("w4a16", next_pow2(m), n, k, group_size, dtype)
         return self._config(specs.W4A16, key, lambda: specs.GemmShape(key[1], n, k, group_size, dtype))
 
     def rmsnorm(self, num_rows: int, hidden: int, dtype: torch.dtype) -> Any | None:
-        """:class:`kernels.rmsnorm.RMSNormConfig` for (num_rows, hidden), or None."""
+        """:class:`stride.kernels.rmsnorm.RMSNormConfig` for (num_rows, hidden), or None."""
         key = ("rmsnorm", next_pow2(num_rows), hidden, dtype)
         return self._config(specs.RMSNORM, key, lambda: specs.NormShape(key[1], hidden, dtype))
 
     def silu_mul(self, num_rows: int, intermediate: int, dtype: torch.dtype) -> Any | None:
-        """:class:`kernels.silu_mul.SiluMulConfig` for (num_rows, 2 * intermediate) inputs, or None."""
+        """:class:`stride.kernels.silu_mul.SiluMulConfig` for (num_rows, 2 * intermediate) inputs, or None."""
         key = ("silu_mul", next_pow2(num_rows), intermediate, dtype)
         return self._config(specs.SILU_MUL, key, lambda: specs.SiluShape(key[1], intermediate, dtype))
 
@@ -93,7 +93,7 @@ class KernelConfigs:
 
 
 def device_gpu_name(device: torch.device) -> str | None:
-    """The name the cache is keyed by (:func:`kernels.autotune.gpu_name`), or None where nothing is tuned."""
+    """The name the cache is keyed by (:func:`stride.kernels.autotune.gpu_name`), or None where nothing is tuned."""
     return at.gpu_name(device) if device.type == "cuda" else None
 
 

@@ -1,6 +1,6 @@
 """The paged KV cache tensors of one rank, and how many blocks fit in the memory left after the weights.
 
-Layout (shared with the Triton kernels in ``kernels/paged_decode.py``): per layer, one K and one V
+Layout (shared with the Triton kernels in ``stride/kernels/paged_decode.py``): per layer, one K and one V
 tensor of shape ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous, head_dim innermost.
 Token ``j`` of a sequence lives at ``[block_table[j // block_size], j % block_size]``. Block ids are the
 scheduler's physical block ids (``0 .. num_blocks - 1``); the worker never allocates or frees blocks,

@@ -10,13 +10,13 @@ not the checkpoint. :class:`LoadReport` counts what was read.
 
 With ``w4a16`` (:func:`use_w4a16`: by default on CUDA with the triton backend) a GGUF's Q4_0/Q4_1 projections
 (q/k/v, o, gate/up, down) are not dequantised: their modules become :class:`W4A16Linear` before anything is
-allocated and get the blocks repacked 4-bit (``kernels/w4a16.py``); a merged projection only when every
+allocated and get the blocks repacked 4-bit (``stride/kernels/w4a16.py``); a merged projection only when every
 checkpoint tensor in it is Q4. Embeddings, norms, the LM head and Mixtral's experts load as before.
 
 With ``quantize`` (``stride serve --quantize w4a16[-g<N>]``) every other such projection of the checkpoint, 16/32-bit
 or a GGUF type other than Q4, becomes a :class:`W4A16Linear` too and its tensors are quantised on the device as they
-stream in (:func:`kernels.w4a16_format.quantize`: round to nearest, per group of N inputs, 128 by default); GGUF Q4
-projections are kept as they are (groups of 32). So a 16-bit checkpoint runs on the 4-bit GEMM without a separate
+stream in (:func:`stride.kernels.w4a16_format.quantize`: round to nearest, per group of N inputs, 128 by default); GGUF
+Q4 projections are kept as they are (groups of 32). So a 16-bit checkpoint runs on the 4-bit GEMM without a separate
 conversion step, and the KV cache, sized after loading, gets the memory the weights no longer take.
 """
 

@@ -1,5 +1,5 @@
 """Quantise-at-load (``--quantize w4a16[-g<N>]``): which dense projections become 4-bit, and the checkpoint's
-tensors with theirs quantised on the device as they are read (:func:`kernels.w4a16_format.quantize`)."""
+tensors with theirs quantised on the device as they are read (:func:`stride.kernels.w4a16_format.quantize`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def quantizing(tensors: list[CheckpointTensor], names: set[str], group: int, dev
     """The tensors, those in ``names`` quantised on ``device`` (in float32, whatever the run dtype) as each part is
     read: a rank quantises only its part, which gives the same codes as quantising the whole and slicing it, as
     groups run along the inputs and a row-parallel part is whole groups."""
-    from kernels.w4a16_format import quantize
+    from stride.kernels.w4a16_format import quantize
 
     def quantized(part: Any) -> Any:
         if not isinstance(part, torch.Tensor):

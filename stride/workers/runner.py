@@ -174,7 +174,7 @@ class ModelRunner:
         apply_tensor_parallel(self.model, self.tp)
         self.args = self.model.args
         if self.w4a16:  # steps of many rows expand 4-bit weights into one scratch matrix: held before sizing
-            from kernels.w4a16 import reserve_scratch
+            from stride.kernels.w4a16 import reserve_scratch
 
             # K x N of each weight (its packed words pad N to whole tiles of 32 columns; the expansion does not).
             largest = max((m.in_features * sum(m.output_sizes) for m in self.model.modules()
@@ -213,7 +213,7 @@ class ModelRunner:
             small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native)
         self.compiled = self._compiled_step(small_step_rows, native, config) if small_step_rows else None
         if graphs and self.device.type == "cuda" and worker.pdl:
-            from kernels.common import set_pdl  # loaded with the triton backend already
+            from stride.kernels.common import set_pdl  # loaded with the triton backend already
 
             set_pdl(True)
         self.graphs = (
@@ -259,7 +259,7 @@ class ModelRunner:
         bs = self.block_size
         budget = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         many = min(cfg.max_num_seqs - 1, budget // 2, 255)
-        # Past 256 keys a few decodes split their context over programs (kernels.paged_decode's default).
+        # Past 256 keys a few decodes split their context over programs (stride.kernels.paged_decode's default).
         decode_ctx = min(cfg.max_model_len, 2 * 256 + 3)
         # Each step: (the decodes' contexts, the chunk's (start, length) or None); nothing past max_model_len.
         steps: list[tuple[list[int], tuple[int, int] | None]] = [([], (0, budget))]

@@ -6,12 +6,12 @@ On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing `
 import pytest
 import torch
 
-from kernels import paged_common
-from kernels.autotune import compare
-from kernels.autotune_specs import make_paged_problem
-from kernels.common import interpreting
-from kernels.paged_decode import DecodeConfig, paged_decode, paged_decode_reference
-from kernels.paged_extend import ExtendConfig, paged_extend, paged_extend_reference
+from stride.kernels import paged_common
+from stride.kernels.autotune import compare
+from stride.kernels.autotune_specs import make_paged_problem
+from stride.kernels.common import interpreting
+from stride.kernels.paged_decode import DecodeConfig, paged_decode, paged_decode_reference
+from stride.kernels.paged_extend import ExtendConfig, paged_extend, paged_extend_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from kernels import paged_decode as pd
-from kernels import paged_extend as pe
-from kernels import rmsnorm as rn
-from kernels import w4a16_policy as w4p
-from kernels.autotune import AutotuneCache, Candidate, Point, cached_config, choose, gate, pareto_front, tune
-from kernels.autotune_specs import (
+from stride.kernels import paged_decode as pd
+from stride.kernels import paged_extend as pe
+from stride.kernels import rmsnorm as rn
+from stride.kernels import w4a16_policy as w4p
+from stride.kernels.autotune import AutotuneCache, Candidate, Point, cached_config, choose, gate, pareto_front, tune
+from stride.kernels.autotune_specs import (
     PAGED_DECODE,
     PAGED_EXTEND,
     RMSNORM,
@@ -30,7 +30,7 @@ from kernels.autotune_specs import (
     broken_off_by_one_mask,
     broken_silu_mul_swapped,
 )
-from kernels.silu_mul import SiluMulConfig
+from stride.kernels.silu_mul import SiluMulConfig
 from stride.workers.kernel_configs import default_cache_path
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import paged_decode as pd
-from kernels import paged_extend as pe
-from kernels.autotune import compare, gate
-from kernels.autotune_specs import (
+from stride.kernels import paged_decode as pd
+from stride.kernels import paged_extend as pe
+from stride.kernels.autotune import compare, gate
+from stride.kernels.autotune_specs import (
     PAGED_DECODE,
     W4A16,
     DecodeShape,
@@ -18,10 +18,10 @@ from kernels.autotune_specs import (
     broken_off_by_one_mask,
     make_paged_problem,
 )
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.w4a16 import w4a16_matmul
-from kernels.w4a16_format import W4A16Weight, dequantize, quantize, random_weight
-from kernels.w4a16_policy import W4A16Config
+from stride.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from stride.kernels.w4a16 import w4a16_matmul
+from stride.kernels.w4a16_format import W4A16Weight, dequantize, quantize, random_weight
+from stride.kernels.w4a16_policy import W4A16Config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda")
@@ -131,9 +131,9 @@ def test_pdl_chain_in_a_graph_equals_eager():
     with programmatic dependent launch, replays to the eager chain's bits, twice, with new inputs between. Each
     kernel reads what the one before wrote, so a kernel that ran ahead of its wait would read stale or unwritten
     memory."""
-    from kernels.common import pdl_args, set_pdl
-    from kernels.rope import apply_rope_cos_sin
-    from kernels.silu_mul import silu_mul
+    from stride.kernels.common import pdl_args, set_pdl
+    from stride.kernels.rope import apply_rope_cos_sin
+    from stride.kernels.silu_mul import silu_mul
 
     torch.manual_seed(0)
     batch, k, inter = 4, HEADS * HEAD_DIM, 2048

@@ -6,9 +6,9 @@ On a machine without CUDA these run under TRITON_INTERPRET=1 (set by importing `
 import pytest
 import torch
 
-from kernels.autotune import compare
-from kernels.rmsnorm import RMSNormConfig, rmsnorm, rmsnorm_reference
-from kernels.rope import (
+from stride.kernels.autotune import compare
+from stride.kernels.rmsnorm import RMSNormConfig, rmsnorm, rmsnorm_reference
+from stride.kernels.rope import (
     Llama3RopeScaling,
     apply_rope,
     apply_rope_cos_sin,
@@ -17,7 +17,7 @@ from kernels.rope import (
     rope_cos_sin_cache,
     rope_inv_freq,
 )
-from kernels.silu_mul import SiluMulConfig, silu_mul, silu_mul_reference
+from stride.kernels.silu_mul import SiluMulConfig, silu_mul, silu_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

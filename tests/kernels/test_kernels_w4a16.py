@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import w4a16 as w4
-from kernels import w4a16_policy as w4p
-from kernels.w4a16 import dequantize_into, w4a16_matmul
-from kernels.w4a16_format import (
+from stride.kernels import w4a16 as w4
+from stride.kernels import w4a16_policy as w4p
+from stride.kernels.w4a16 import dequantize_into, w4a16_matmul
+from stride.kernels.w4a16_format import (
     W4A16Weight,
     check_weight,
     dequantize,
@@ -25,7 +25,7 @@ from kernels.w4a16_format import (
     w4a16_reference,
     words_to_tiles,
 )
-from kernels.w4a16_policy import DEQUANT_MIN_ROWS, TILE_MIN_PROGRAMS, W4A16Config
+from stride.kernels.w4a16_policy import DEQUANT_MIN_ROWS, TILE_MIN_PROGRAMS, W4A16Config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

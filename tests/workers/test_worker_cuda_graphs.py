@@ -33,7 +33,7 @@ def test_batch_buckets() -> None:
 def test_pdl_only_for_small_batch_buckets() -> None:
     """Graphs of up to PDL_MAX_BATCH rows are captured with PDL where it is allowed, larger ones plainly; where it
     is not allowed, none; the setting before is restored either way (also after an error in the capture)."""
-    from kernels.common import pdl_allowed, set_pdl
+    from stride.kernels.common import pdl_allowed, set_pdl
 
     def inside(batch: int) -> bool:
         with pdl_for_batch(batch):

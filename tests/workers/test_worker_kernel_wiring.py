@@ -17,15 +17,15 @@ import torch
 from worker_helpers import Steps, count_calls, cpu_triton, make_checkpoint, make_runner
 
 import stride.workers.attention_triton as attention_triton
-from kernels import autotune as at
-from kernels import autotune_specs as specs
-from kernels import rope as rope_kernels
-from kernels.paged_decode import DecodeConfig
-from kernels.paged_extend import ExtendConfig
-from kernels.rmsnorm import RMSNormConfig
-from kernels.silu_mul import SiluMulConfig
-from kernels.w4a16_format import random_weight
-from kernels.w4a16_policy import W4A16Config
+from stride.kernels import autotune as at
+from stride.kernels import autotune_specs as specs
+from stride.kernels import rope as rope_kernels
+from stride.kernels.paged_decode import DecodeConfig
+from stride.kernels.paged_extend import ExtendConfig
+from stride.kernels.rmsnorm import RMSNormConfig
+from stride.kernels.silu_mul import SiluMulConfig
+from stride.kernels.w4a16_format import random_weight
+from stride.kernels.w4a16_policy import W4A16Config
 from stride.model.args import ModelArgs, RopeScaling
 from stride.workers import kernel_configs
 from stride.workers.attention import FP8_KV, TorchPagedAttention, to_cache

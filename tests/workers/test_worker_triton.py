@@ -122,7 +122,7 @@ def test_cpu_import_does_not_load_triton() -> None:
     # The triton backend registers lazily: a CPU worker that never asks for it must not import Triton.
     code = (
         "import sys; from stride.workers.runner import ModelRunner; "
-        "print(sorted(m for m in ('triton', 'kernels') if m in sys.modules))"
+        "print(sorted(m for m in ('triton', 'stride.kernels') if m in sys.modules))"
     )
     env = {k: v for k, v in os.environ.items() if k != "STRIDE_ATTENTION_BACKEND"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)

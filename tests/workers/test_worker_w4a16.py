@@ -13,8 +13,8 @@ import pytest
 import torch
 from worker_helpers import Steps, count_calls, cpu_triton, make_runner, write_gguf
 
-from kernels.w4a16_format import W4A16Weight, dequantize, quantize
 from stride.config import WorkerConfig, quantize_group_size
+from stride.kernels.w4a16_format import W4A16Weight, dequantize, quantize
 from stride.workers import gguf_checkpoint
 from stride.workers.loader import load_model, use_w4a16
 from stride.workers.models import layers
@@ -83,7 +83,7 @@ def test_sharded_loading_off_tile_boundaries() -> None:
 def test_sharded_loading_of_whole_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # Shards of whole 32-column tiles (every real model's) are copied tile by tile, never through the (K // 8, N)
     # matrix of words (tiles_to_words raises while they load), and give the same weights as the unsharded ones.
-    from kernels import w4a16_format
+    from stride.kernels import w4a16_format
 
     k, tp = 64, 2
     full = _merged_shards(k, [128, 64])
@@ -131,8 +131,8 @@ def test_quantize_values() -> None:
 @pytest.mark.parametrize("source", ["hf", "F32"])
 def test_quantized_projections_hold_the_quantised_checkpoint(gguf_paths: dict[str, Path], source: str) -> None:
     # A 32-bit checkpoint (HF, or GGUF F32 with its q/k rows permuted) quantised at load: every projection is a
-    # W4A16Linear holding exactly what kernels.w4a16_format.quantize makes of the dense weight, one tensor at a time
-    # (q, k and v quantised separately, then merged: their groups run along the input, so merging cannot mix them).
+    # W4A16Linear holding exactly what stride.kernels.w4a16_format.quantize makes of the dense weight, one tensor at a
+    # time (q, k and v quantised separately, then merged: their groups run along the input, so merging cannot mix them).
     path = str(gguf_paths[source])
     dense = load_model(path)
     packed = load_model(path, quantize_group=32)
@@ -296,7 +296,7 @@ def test_w4a16_worker_on_cuda_matches_dense_bf16(
 def test_reference_path_of_a_4bit_projection(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under the torch backend a 4-bit projection runs the reference (the weight dequantised to float32 per call),
     never the Triton GEMM; the runner switches it with the fused layers."""
-    from kernels.w4a16_format import random_weight
+    from stride.kernels.w4a16_format import random_weight
 
     w = random_weight(64, 96, scale_dtype=torch.float32, seed=7)
     linear = W4A16Linear(96, [64], "column", torch.float32)

@@ -9,7 +9,7 @@ this rank takes, which is all the loader reads from disk, and ``load_part`` stor
 the hot path.
 
 RMSNorm, RoPE and the gated MLP have two paths: plain PyTorch (the default, and the reference) and the fused
-Triton kernels of ``kernels/`` (RMSNorm with the residual add in one pass, q and k rotated in place in one
+Triton kernels of ``stride/kernels/`` (RMSNorm with the residual add in one pass, q and k rotated in place in one
 launch that also writes k and v into the paged KV cache, SiLU-and-mul in one pass), which
 :func:`use_fused_kernels` switches on per model when the worker runs the ``triton`` backend. Both round where
 transformers rounds, so they agree to float rounding (RoPE and the cache bit for bit). On CUDA the fused calls
@@ -17,7 +17,7 @@ take their launch configs from the autotune cache (:mod:`stride.workers.kernel_c
 heuristics where it has none.
 
 :class:`W4A16Linear` is the 4-bit variant of both linears: the loader swaps it in (before any weight is
-allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``kernels/w4a16.py``). Its
+allocated) for projections whose GGUF tensors are Q4_0/Q4_1, and it keeps them packed (``stride/kernels/w4a16.py``). Its
 GEMM is a Triton kernel; under the torch backend it runs the reference instead (each call dequantises the weight to
 float32), which is also what makes a 4-bit model usable on a CPU without Triton's interpreter.
 """
@@ -35,7 +35,7 @@ from torch import nn
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
 from stride.workers.cpu_int4 import SmallStepWeight
 
-if TYPE_CHECKING:  # kernels import Triton; the CPU worker must not (see use_fused_kernels)
+if TYPE_CHECKING:  # stride.kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
 
 
@@ -151,8 +151,8 @@ class RowParallelLinear(Loadable):
 
 
 class W4A16Linear(Loadable):
-    """``y = x @ W.T`` with W held 4-bit packed (:class:`kernels.w4a16_format.W4A16Weight`, as buffers ``qweight``
-    (ceil(N / 32), K // 8, 32), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
+    """``y = x @ W.T`` with W held 4-bit packed (:class:`stride.kernels.w4a16_format.W4A16Weight`, as buffers
+    ``qweight`` (ceil(N / 32), K // 8, 32), ``scales`` and ``mins`` (K // group, N)), run by the W4A16 Triton GEMM.
 
     Stands in for a :class:`ColumnParallelLinear` (``split="column"``: a rank keeps its columns of N, shard by
     shard, as there) or a :class:`RowParallelLinear` (``split="row"``: its slice of K, whole groups only).
@@ -255,7 +255,7 @@ def _kernel(name: str) -> ModuleType:
     if name not in _KERNELS:
         import importlib
 
-        _KERNELS[name] = importlib.import_module(f"kernels.{name}")
+        _KERNELS[name] = importlib.import_module(f"stride.kernels.{name}")
     return _KERNELS[name]
 
 

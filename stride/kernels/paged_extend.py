@@ -1,5 +1,5 @@
 """Paged extend (prefill) attention: flattened queries of several sequences, each attending causally to its cached
-context (layout and precision: :mod:`kernels.paged_common`), beside its float32 reference."""
+context (layout and precision: :mod:`stride.kernels.paged_common`), beside its float32 reference."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import dot, dot_args
-from kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p, widen_to_f16
-from kernels.sizes import next_pow2
+from stride.kernels.common import dot, dot_args
+from stride.kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p, widen_to_f16
+from stride.kernels.sizes import next_pow2
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.sizes import cdiv, next_pow2
+from stride.kernels.sizes import cdiv, next_pow2
 
 
 def is_group_size(group: int) -> bool:
@@ -151,6 +151,6 @@ def tile_programs(m: int, n: int, k: int, cfg: W4A16Config) -> int:
 
 
 def expands(m: int, n: int, k: int, cfg: W4A16Config) -> bool:
-    """Whether :func:`~kernels.w4a16.w4a16_matmul` expands W into a scratch matrix for cuBLAS rather than run the
+    """Whether :func:`~stride.kernels.w4a16.w4a16_matmul` expands W into a scratch matrix for cuBLAS rather than run the
     4-bit kernel with ``cfg``: from :data:`DEQUANT_MIN_ROWS` rows, or with tiles that would not fill the GPU."""
     return m >= DEQUANT_MIN_ROWS or (not cfg.gemv and tile_programs(m, n, k, cfg) < TILE_MIN_PROGRAMS)

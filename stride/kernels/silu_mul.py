@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_float, check_last_contiguous, pdl_args, pdl_wait
+from stride.kernels.common import check_float, check_last_contiguous, pdl_args, pdl_wait
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Paged decode attention: one query per sequence over its cached context, split over programs where the batch alone
 would not fill the GPU, the splits' partials combined by a reduction kernel (layout and precision:
-:mod:`kernels.paged_common`); beside its reference."""
+:mod:`stride.kernels.paged_common`); beside its reference."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import dot, dot_args, pdl_args, pdl_wait
-from kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
-from kernels.paged_extend import paged_extend_reference
-from kernels.sizes import next_pow2
+from stride.kernels.common import dot, dot_args, pdl_args, pdl_wait
+from stride.kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
+from stride.kernels.paged_extend import paged_extend_reference
+from stride.kernels.sizes import next_pow2
 
 
 @dataclass(frozen=True)

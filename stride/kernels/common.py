@@ -70,7 +70,7 @@ def pdl_args(t: torch.Tensor) -> dict[str, object]:
     :func:`pdl_wait` until the predecessor completed. Outside capture, or elsewhere, nothing: plain stream order.
 
     Only inside graphs because there the kernel before is always one of the forward's own, which never
-    writes weights: the GEMV loads its first weights before it waits (``kernels/w4a16.py``).
+    writes weights: the GEMV loads its first weights before it waits (``stride/kernels/w4a16.py``).
     """
     if not _PDL_ON[0] or not t.is_cuda or interpreting() or not torch.cuda.is_current_stream_capturing():
         return {}

@@ -1,6 +1,6 @@
-"""Paged attention over block tables, with GQA: what the decode kernel (:mod:`kernels.paged_decode`, split-K and a
-reduction) and the extend kernel (:mod:`kernels.paged_extend`) share: the cache layout, the precision contract and
-the P@V step that keeps it, the launchers' checks.
+"""Paged attention over block tables, with GQA: what the decode kernel (:mod:`stride.kernels.paged_decode`, split-K
+and a reduction) and the extend kernel (:mod:`stride.kernels.paged_extend`) share: the cache layout, the precision
+contract and the P@V step that keeps it, the launchers' checks.
 
 Cache layout (per layer, shared with the worker):
     k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), head_dim contiguous.
@@ -32,14 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_float, dot
+from stride.kernels.common import check_float, dot
 
 LOG2E = 1.4426950408889634
 
 FP8_CACHE = torch.float8_e4m3fn
 """The 8-bit cache dtype (``--kv-dtype fp8``): the kernels widen each loaded key and value exactly (to fp16 beside a
 16-bit q, :func:`widen_to_f16`; to float32 beside a float32 one) and attend as over a 16-bit cache; the error is all
-in the writing, which rounds each value to 3 mantissa bits (``kernels/rope.py``'s ``_fp8_rounded``, and the torch
+in the writing, which rounds each value to 3 mantissa bits (``stride/kernels/rope.py``'s ``_fp8_rounded``, and the torch
 backend's cast)."""
 
 ROUND_P_BEFORE_PV = False

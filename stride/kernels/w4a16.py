@@ -1,4 +1,4 @@
-"""W4A16 GEMM kernels: ``y = x @ W.T`` with W in the 4-bit format of :mod:`kernels.w4a16_format` and 16-bit
+"""W4A16 GEMM kernels: ``y = x @ W.T`` with W in the 4-bit format of :mod:`stride.kernels.w4a16_format` and 16-bit
 activations, a GEMV for decode rows and tensor-core tiles above, each with its launcher.
 
 From :data:`DEQUANT_MIN_ROWS` rows (prefill chunks, large decode batches) :func:`w4a16_matmul` instead expands
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_float, check_last_contiguous, dot, dot_args, pdl_args, pdl_release, pdl_wait
-from kernels.w4a16_format import TILE_N, W4A16Weight, check_weight
-from kernels.w4a16_policy import W4A16Config, default_config, expands, k_split, piece
+from stride.kernels.common import check_float, check_last_contiguous, dot, dot_args, pdl_args, pdl_release, pdl_wait
+from stride.kernels.w4a16_format import TILE_N, W4A16Weight, check_weight
+from stride.kernels.w4a16_policy import W4A16Config, default_config, expands, k_split, piece
 
 _TILE = tl.constexpr(TILE_N)
 

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_float, check_last_contiguous, pdl_args, pdl_wait
-from kernels.sizes import next_pow2
+from stride.kernels.common import check_float, check_last_contiguous, pdl_args, pdl_wait
+from stride.kernels.sizes import next_pow2
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ group_size is a power of two of at least 8 (whole words; the kernels' tiles are 
 are 32 (:func:`from_gguf_q4`); a 16-bit checkpoint quantised at load (:func:`quantize`) takes 128 by default, the
 GPTQ/AWQ size (0.53 bytes per weight with fp16 scales and mins, against 0.625 at 32).
 
-The kernels are in :mod:`kernels.w4a16`, their configurations in :mod:`kernels.w4a16_policy`.
+The kernels are in :mod:`stride.kernels.w4a16`, their configurations in :mod:`stride.kernels.w4a16_policy`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.common import check_float
-from kernels.sizes import cdiv
-from kernels.w4a16_policy import is_group_size
+from stride.kernels.common import check_float
+from stride.kernels.sizes import cdiv
+from stride.kernels.w4a16_policy import is_group_size
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Autotuning with a correctness gate, a Pareto choice over (latency, second cost), and a per-GPU cache.
 
-A :class:`KernelSpec` (see :mod:`kernels.autotune_specs`) gives, per kernel: the configuration space,
+A :class:`KernelSpec` (see :mod:`stride.kernels.autotune_specs`) gives, per kernel: the configuration space,
 random problems, the reference, a second cost (bytes of workspace or a register proxy) and the shape
 bucket a choice is cached under. :func:`tune` then
 

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import check_float, pdl_args, pdl_wait
-from kernels.paged_common import FP8_CACHE
-from kernels.sizes import next_pow2
+from stride.kernels.common import check_float, pdl_args, pdl_wait
+from stride.kernels.paged_common import FP8_CACHE
+from stride.kernels.sizes import next_pow2
 
 
 @dataclass(frozen=True)

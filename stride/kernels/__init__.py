@@ -1,4 +1,4 @@
-"""Triton kernels for the GPU worker, each beside a plain-PyTorch reference. A leaf: nothing here imports
+"""Triton kernels for the GPU worker, each beside a plain-PyTorch reference. A leaf: nothing here imports the rest of
 ``stride``; launchers take what they need as arguments.
 
 Importing this package does nothing by itself. Without CUDA, Triton runs kernels only through its interpreter, and

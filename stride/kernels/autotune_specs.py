@@ -1,4 +1,4 @@
-"""Per-kernel tuning specs for :mod:`kernels.autotune`, and the broken variants its gate must reject."""
+"""Per-kernel tuning specs for :mod:`stride.kernels.autotune`, and the broken variants its gate must reject."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import paged_decode as pd
-from kernels import paged_extend as pe
-from kernels import rmsnorm as rn
-from kernels import silu_mul as sm
-from kernels import w4a16 as wq
-from kernels import w4a16_format as w4f
-from kernels import w4a16_policy as w4p
-from kernels.autotune import Candidate, KernelSpec, Problem
-from kernels.sizes import next_pow2
+from stride.kernels import paged_decode as pd
+from stride.kernels import paged_extend as pe
+from stride.kernels import rmsnorm as rn
+from stride.kernels import silu_mul as sm
+from stride.kernels import w4a16 as wq
+from stride.kernels import w4a16_format as w4f
+from stride.kernels import w4a16_policy as w4p
+from stride.kernels.autotune import Candidate, KernelSpec, Problem
+from stride.kernels.sizes import next_pow2
 
 # ---- paged decode attention ----
 
