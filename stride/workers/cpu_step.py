@@ -70,8 +70,11 @@ class StepRange:
 
 def weight_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the step reads from ``model``, in the order the package takes them: parameters and buffers
-    (tied ones once), then the tensors of the packed small-step copies (``<module>.<slot>.<field>``)."""
-    out: list[tuple[str, torch.Tensor]] = [(name, t) for name, t in model.named_parameters()]
+    (tied ones once), then the tensors of the packed small-step copies (``<module>.<slot>.<field>``). Not the
+    weight of a projection with a 4-bit grid: the steps compiled are the grid's (its weight may be held in oneDNN's
+    layout, which the package cannot take: :func:`stride.workers.cpu_int4.pack_large_steps`)."""
+    gridded = {f"{prefix}.weight" for prefix, module in model.named_modules() if vars(module).get("int4") is not None}
+    out: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters() if n not in gridded]
     out += [(name, t) for name, t in model.named_buffers()]
     for prefix, module in model.named_modules():
         for slot in ("int4", "int8"):

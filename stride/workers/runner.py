@@ -212,6 +212,8 @@ class ModelRunner:
             native = cpu_has_bf16()
             small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native)
         self.compiled = self._compiled_step(small_step_rows, native, config) if small_step_rows else None
+        if native and worker.cpu_pack:
+            cpu_int4.pack_large_steps(self.model, compiled=self.compiled is not None)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from stride.kernels.common import set_pdl  # loaded with the triton backend already
 

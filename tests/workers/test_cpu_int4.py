@@ -195,3 +195,77 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
     assert all(m.upcast is not native for m in projections)
     head = r.model.lm_head
     assert head.int8 is not None and head.int8.max_rows == want and head.upcast is not native
+
+
+needs_packing = pytest.mark.skipif(not cpu_int4.packing_available(), reason="no oneDNN bf16 product on this CPU")
+
+
+@needs_packing
+def test_a_packed_weight_gives_the_plain_weights_products_bit_for_bit() -> None:
+    """oneDNN's blocked layout changes where the weight's values sit, not the products: every step size gives what
+    ``F.linear`` gives on the plain weight, to the bit; small steps still go to the grid."""
+    layer = ColumnParallelLinear(128, [96])
+    layer.weight.data = q4_1_weight(96, 128)
+    plain = layer.weight.data.clone()
+    grid = cpu_int4.int4_grid(plain)
+    assert grid is not None
+    layer.int4 = spy = Spy(grid)
+    holder = torch.nn.Sequential(layer)
+    assert cpu_int4.pack_large_steps(holder, compiled=True) == (1, plain.numel() * 2)
+    assert layer.weight.is_mkldnn and tuple(layer.weight.shape) == (96, 128)
+    # Negative control: the weight with two of its rows swapped, packed, is caught at every step size.
+    swapped = cpu_int4.packed_bf16(plain[[1, 0, *range(2, 96)]])
+    g = torch.Generator().manual_seed(1)
+    for rows in (5, 16, 37, 300):
+        x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+        want = F.linear(x, plain)
+        assert torch.equal(layer(x), want), rows
+        assert not torch.equal(cpu_int4.linear_packed(x, swapped), want)
+    layer(torch.randn(3, 128).to(torch.bfloat16))
+    assert spy.calls == [3]
+    # The layout cannot be read as values: nothing may take it for the plain weight.
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        F.linear(x, layer.weight)
+
+
+@needs_packing
+@pytest.mark.parametrize("native, pack, int4, compiled, packed", [
+    (True, True, True, True, True),      # the grids' projections: no compiled step reads their weights
+    (True, True, False, True, False),    # no grids: the compiled step's small steps read the plain weights
+    (True, True, False, False, True),    # no grids, no compiled step: nothing else reads them
+    (True, False, True, True, False),    # STRIDE_CPU_PACK=0
+    (False, True, True, True, False),    # bf16 emulated: larger steps widen to float32 instead
+])
+def test_the_runner_packs_the_weights_nothing_else_reads(native: bool, pack: bool, int4: bool, compiled: bool,
+                                                         packed: bool, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from stride.workers import runner as runner_module
+
+    hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
+    gguf = write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: native)
+    # A compiled step's build is stood in for: only whether one exists decides what may be packed.
+    monkeypatch.setattr(runner_module.ModelRunner, "_compiled_step",
+                        lambda self, rows, native, config: object() if compiled else None)
+
+    def runner(pack: bool) -> runner_module.ModelRunner:
+        return make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=4,
+                           cpu_pack=pack, cpu_int4=int4)
+
+    r = runner(pack)
+    projections = [m for m in r.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert projections and all(m.weight.is_mkldnn is packed for m in projections)
+    assert not r.model.lm_head.weight.is_mkldnn and not r.model.embed_tokens.weight.is_mkldnn
+    if not packed:
+        return
+    # The runner's answers are the plain weights' to the bit: a prefill of three prompts (27 rows).
+    r.compiled = None
+    plain = runner(False)
+    plain.compiled = None
+    tables = np.arange(6, dtype=np.int32).reshape(3, 2)
+    lens = np.array([9, 12, 6])
+    tokens = np.random.default_rng(0).integers(0, r.args.vocab_size, int(lens.sum()))
+    positions = np.concatenate([np.arange(n) for n in lens])
+    got = r.forward(tokens, positions, np.arange(3), lens, lens, tables)
+    want = plain.forward(tokens, positions, np.arange(3), lens, lens, tables)
+    assert torch.equal(got, want)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
-from stride.workers.cpu_int4 import SmallStepWeight
+from stride.workers.cpu_int4 import SmallStepWeight, linear_packed
 
 if TYPE_CHECKING:  # stride.kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
@@ -64,9 +64,11 @@ def column_slices(output_sizes: Sequence[int], units: Sequence[int] | None, tp_r
 
 def project(x: torch.Tensor, weight: torch.Tensor, small: SmallStepWeight | None, upcast: bool) -> torch.Tensor:
     """``x @ weight.T``: on ``small`` (a packed CPU copy) for a step it takes, else in float32 with ``upcast``, else
-    as the weight is."""
+    as the weight is (oneDNN's blocked layout on a CPU: :func:`stride.workers.cpu_int4.pack_large_steps`)."""
     if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows:
         return small(x)
+    if weight.is_mkldnn:
+        return linear_packed(x, weight)
     if upcast:
         return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
