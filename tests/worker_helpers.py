@@ -47,9 +47,9 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return out
 
 
-def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
+def write_gguf(hf: Path, out: Path, qtype: str = "F32", qtypes: dict[str, str] | None = None) -> Path:
     """Convert the tiny HF checkpoint to GGUF the way llama.cpp does (names, permuted q/k, quantised matrices,
-    Mixtral's experts stacked per layer)."""
+    Mixtral's experts stacked per layer); ``qtypes`` gives some GGUF tensors another type than ``qtype``."""
     cfg = json.loads((hf / "config.json").read_text())
     weights = load_file(str(hf / "model.safetensors"))
     make = runpy.run_path(str(ROOT / "scripts" / "make_random_gguf.py"), run_name="make_gguf")
@@ -82,8 +82,9 @@ def write_gguf(hf: Path, out: Path, qtype: str = "F32") -> Path:
                 "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight",
             }[name]
-        if a.ndim >= 2 and qtype != "F32":
-            q = gguf.GGMLQuantizationType[qtype]
+        kind = (qtypes or {}).get(gname, qtype)
+        if a.ndim >= 2 and kind != "F32":
+            q = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gname, gguf.quants.quantize(a, q), raw_dtype=q)
         else:
             w.add_tensor(gname, a)

@@ -157,6 +157,55 @@ def attach_head(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
     return rows.nbytes
 
 
+class Q8Rows:
+    """A (V, K) embedding's rows as a GGUF Q8_0 tensor holds them: int8 values and an fp16 scale per 32 inputs;
+    a lookup gives the bf16 rows exactly (each value ``q * d`` is exact in float32, then rounded as the loader
+    rounded it). A quarter of a bf16 copy's bytes less, and it lets the tied output projection hold the bf16 weight
+    in oneDNN's layout (:func:`pack_large_steps`) without a second bf16 copy for the lookups."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.q = q
+        self.scales = scales
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[0]
+        q = self.q.index_select(0, ids).view(n, -1, GROUP).float()
+        return (q * self.scales.index_select(0, ids).float()[:, :, None]).view(n, -1).to(torch.bfloat16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes
+
+
+def q8_rows(weight: torch.Tensor, chunk: int = 4096) -> Q8Rows | None:
+    """``weight``'s Q8_0 form, recovered from its bf16 values (what a GGUF Q8_0 tensor dequantises to), or None
+    where some group of :data:`GROUP` inputs has none. Per group the scale is an fp16 value ``d`` near the largest
+    magnitude over 127, the values ``round(w / d)``; a scale counts only if every value it gives rounds back to the
+    weight's bf16 value exactly (checked, not assumed), trying the fp16 neighbours of the nearest one."""
+    n, k = weight.shape
+    if k % GROUP or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    q_out = torch.empty(n, k, dtype=torch.int8)
+    d_out = torch.empty(n, k // GROUP, dtype=torch.float16)
+    for lo in range(0, n, chunk):
+        w = weight[lo : lo + chunk].float().view(-1, k // GROUP, GROUP)
+        nearest = (w.abs().amax(-1) / 127).to(torch.float16)
+        found = torch.zeros(nearest.shape, dtype=torch.bool)
+        for step in (0, 1, -1, 2, -2, 3, -3, 4, -4, 5, -5, 6, -6, 7, -7, 8, -8):
+            d = (nearest.view(torch.int16) + step).view(torch.float16) if step else nearest
+            df = d.float()[..., None]
+            q = torch.where(df > 0, w / torch.where(df > 0, df, 1.0), 0.0).round().clamp(-127, 127)
+            ok = ((q * df).to(torch.bfloat16).float() == w).all(-1) & (d >= 0) & ~found
+            q_out[lo : lo + chunk].view(-1, k // GROUP, GROUP)[ok] = q[ok].to(torch.int8)
+            d_out[lo : lo + chunk][ok] = d[ok]
+            found |= ok
+            if bool(found.all()):
+                break
+        if not bool(found.all()):
+            return None
+    return Q8Rows(q_out, d_out)
+
+
 def upcast_large_steps(model: nn.Module) -> int:
     """On a CPU that emulates bf16 products: every bf16 dense projection and the output projection multiply in
     float32 the steps their packed copy does not take (``upcast``). A projection with a 4-bit grid keeps its weight
@@ -174,10 +223,13 @@ def upcast_large_steps(model: nn.Module) -> int:
     return count
 
 
-def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool) -> int:
+def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, embedding_rows: bool = False) -> int:
     """A bf16 model's small-step copies as the CPU worker holds them (:func:`attach` with ``int4``,
-    :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``). Returns the rows of
+    :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``; the embedding's
+    :class:`Q8Rows` with ``embedding_rows``, which :func:`pack_large_steps` then relies on). Returns the rows of
     the largest step they take (0: none attached)."""
+    if embedding_rows:
+        attach_rows(model)
     max_rows = MAX_ROWS if native_bf16 else EMULATED_MAX_ROWS
     small_step_rows = 0
     if int4:
@@ -229,12 +281,28 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+def attach_rows(model: nn.Module) -> int:
+    """Give the token embedding its :class:`Q8Rows` where its bf16 weight has that form (the default model's Q8_0
+    ``token_embd``); returns the bytes they hold (0: none)."""
+    embedding = getattr(model, "embed_tokens", None)
+    weight = getattr(embedding, "weight", None)
+    if embedding is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0
+    rows = q8_rows(weight.data)
+    if rows is None:
+        return 0
+    setattr(embedding, "rows", rows)  # noqa: B010 (nn.Module's typing hides the slot)
+    return rows.nbytes
+
+
 def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
     """Hold each bf16 dense projection's weight in oneDNN's blocked layout (:func:`packed_bf16`) in place of the
     plain one, where nothing reads the plain one: with a compiled decode step (``compiled``) only the projections
     with a 4-bit grid (the compiled step takes their small steps on the grid and never reads their weight), without
-    one every projection. The tied output projection is left alone (the embedding reads its rows). Call after
-    :func:`prepare`, on a CPU with native bf16. Returns (projections packed, bytes they hold)."""
+    one every projection. The output projection too (the compiled step ends before it), in place of its int8 copy
+    (the same speed at 1-4 rows here, and exact); where it is tied to the embedding only once the embedding reads
+    its :class:`Q8Rows` (:func:`attach_rows`), whose weight then goes (a meta tensor of its shape). Call after
+    :func:`prepare`, on a CPU with native bf16. Returns (weights packed, bytes they hold)."""
     if not packing_available():
         return 0, 0
     count = nbytes = 0
@@ -249,10 +317,23 @@ def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
         module.weight = nn.Parameter(packed_bf16(weight.data), requires_grad=False)
         count += 1
         nbytes += weight.numel() * weight.element_size()
+    head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.dim() == 2):
+        tied = embedding is not None and getattr(embedding, "weight", None) is weight
+        if not tied or vars(embedding).get("rows") is not None:
+            assert head is not None
+            head.weight = nn.Parameter(packed_bf16(weight.data), requires_grad=False)
+            setattr(head, "int8", None)  # noqa: B010 (nn.Module's typing hides the slot)
+            if tied and embedding is not None:
+                embedding.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                                requires_grad=False)
+            count += 1
+            nbytes += weight.numel() * weight.element_size()
     if count:
         trim_heap()
-        log.info("%d projections hold their bf16 weights in oneDNN's layout (%.0f MB) for the steps of more rows",
-                 count, nbytes / 1e6)
+        log.info("%d projections hold their bf16 weights in oneDNN's layout (%.0f MB)", count, nbytes / 1e6)
     return count, nbytes
 
 

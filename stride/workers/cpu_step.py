@@ -68,16 +68,24 @@ class StepRange:
         return self.min_rows <= rows <= self.max_rows and blocks <= self.max_blocks
 
 
+SLOTS = ("int4", "rows")
+"""The packed copies the compiled step reads in place of a module's weight: a projection's 4-bit grid, the
+embedding's Q8_0 rows (:mod:`stride.workers.cpu_int4`)."""
+
+
 def weight_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the step reads from ``model``, in the order the package takes them: parameters and buffers
-    (tied ones once), then the tensors of the packed small-step copies (``<module>.<slot>.<field>``). Not the
-    weight of a projection with a 4-bit grid: the steps compiled are the grid's (its weight may be held in oneDNN's
-    layout, which the package cannot take: :func:`stride.workers.cpu_int4.pack_large_steps`)."""
-    gridded = {f"{prefix}.weight" for prefix, module in model.named_modules() if vars(module).get("int4") is not None}
-    out: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters() if n not in gridded]
+    (tied ones once), then the tensors of the packed copies (``<module>.<slot>.<field>``, :data:`SLOTS`). Not the
+    weight of a module with such a copy (the steps compiled are the copy's, and the worker may hold that weight in
+    oneDNN's layout, which the package cannot take: :func:`stride.workers.cpu_int4.pack_large_steps`), nor the
+    output projection's: the package ends at the final norm and the head runs after it, eagerly."""
+    skip = {f"{prefix}.weight" for prefix, module in model.named_modules()
+            if any(vars(module).get(slot) is not None for slot in SLOTS)}
+    skip.add("lm_head.weight")
+    out: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in model.named_parameters() if n not in skip]
     out += [(name, t) for name, t in model.named_buffers()]
     for prefix, module in model.named_modules():
-        for slot in ("int4", "int8"):
+        for slot in SLOTS:
             small = vars(module).get(slot)
             if small is None:
                 continue
@@ -88,10 +96,11 @@ def weight_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class DecodeStep(nn.Module):
-    """The exported step: ``(tokens, positions, blocks, caches, weights) -> logits``. ``blocks`` is each sequence's
+    """The exported step: ``(tokens, positions, blocks, caches, weights) -> hidden``. ``blocks`` is each sequence's
     block table over its context (unused entries any valid block: masked); each token is its sequence's one query
     at ``positions`` (context ``positions + 1``). Writes the step's K/V into ``caches`` (the K caches, then the V
-    caches, layer by layer) and returns the float32 logits."""
+    caches, layer by layer) and returns the final-norm hidden states (the head runs after it, eagerly: its weight may
+be in oneDNN's layout, which the package cannot take)."""
 
     def __init__(self, model: nn.Module, block_size: int) -> None:
         super().__init__()
@@ -112,23 +121,12 @@ class DecodeStep(nn.Module):
         dense = dict(zip(self.names, weights, strict=True))
         swapped = _swap_small_steps(self.model, dense)
         try:
-            plain = {f"model.{k}": v for k, v in dense.items() if k not in swapped}
-            logits: torch.Tensor = functional_call(_Logits(self.model), plain, (tokens, positions, ctx),
-                                                   tie_weights=True, strict=False)
+            plain = {k: v for k, v in dense.items() if k not in swapped}
+            hidden: torch.Tensor = functional_call(self.model, plain, (tokens, positions, ctx), tie_weights=True,
+                                                   strict=False)
         finally:
             _restore_small_steps(self.model, swapped)
-        return logits
-
-
-class _Logits(nn.Module):
-    """The model's forward and its logits as one call (for ``functional_call``)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return self.model.compute_logits(self.model(tokens, positions, ctx))  # type: ignore[operator,no-any-return]
+        return hidden
 
 
 def _swap_small_steps(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,7 +135,7 @@ def _swap_small_steps(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     originals = {}
     for name, tensor in tensors.items():
         path, slot, field_name = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
-        if slot not in ("int4", "int8"):
+        if slot not in SLOTS:
             continue
         small = getattr(model.get_submodule(path), slot)
         originals[name] = getattr(small, field_name)
@@ -207,7 +205,8 @@ class CompiledStep:
         self._inputs = list(caches) + [t for _, t in weights]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """float32 logits (rows, vocab); ``tokens``, ``positions`` (rows,) and ``blocks`` (rows, blocks) int64."""
+        """Final-norm hidden states (rows, hidden) for the head; ``tokens``, ``positions`` (rows,) and ``blocks``
+        (rows, blocks) int64."""
         out: torch.Tensor = self._loader.run([tokens, positions, blocks, *self._inputs])[0]
         return out
 
@@ -340,7 +339,8 @@ def _build(spec: dict[str, Any]) -> None:
     started = time.monotonic()
     model = load_model(settings["model"], "cpu", dtype)
     if dtype == torch.bfloat16:
-        cpu_int4.prepare(model, settings["cpu_int4"], settings["cpu_int8_head"], settings["native_bf16"])
+        cpu_int4.prepare(model, settings["cpu_int4"], settings["cpu_int8_head"], settings["native_bf16"],
+                         settings.get("embedding_rows", False))
     cache = KVCache(model.args, 2, step.block_size, "cpu", dtype)  # type: ignore[arg-type]
     print(f"loaded in {time.monotonic() - started:.1f} s", flush=True)
     exported = export(model, cache.k_caches + cache.v_caches, step)

@@ -205,14 +205,15 @@ class ModelRunner:
         """Whether the last :meth:`forward` ran the compiled CPU decode step (:mod:`stride.workers.cpu_step`)."""
         use_fused_kernels(self.model, self.backend.fused_layers)
         small_step_rows = 0  # steps of up to this many rows run on packed copies of some weights (0: none hold one)
-        native = False
+        native = pack = False
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
             from stride.workers import cpu_int4
 
             native = cpu_has_bf16()
-            small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native)
-        self.compiled = self._compiled_step(small_step_rows, native, config) if small_step_rows else None
-        if native and worker.cpu_pack:
+            pack = native and worker.cpu_pack and cpu_int4.packing_available()
+            small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native, pack)
+        self.compiled = self._compiled_step(small_step_rows, native, pack, config) if small_step_rows else None
+        if pack:
             cpu_int4.pack_large_steps(self.model, compiled=self.compiled is not None)
         if graphs and self.device.type == "cuda" and worker.pdl:
             from stride.kernels.common import set_pdl  # loaded with the triton backend already
@@ -288,7 +289,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         log.info("ran %d warm-up steps (compiling their kernels) in %.1f s", len(steps), time.perf_counter() - t0)
 
-    def _compiled_step(self, small_step_rows: int, native_bf16: bool, config: RunnerConfig) -> BackgroundStep | None:
+    def _compiled_step(self, small_step_rows: int, native_bf16: bool, embedding_rows: bool,
+                       config: RunnerConfig) -> BackgroundStep | None:
         """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
         take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
         one CPU rank under the reference attention, with packed copies and a cache in the run dtype (on this CPU the
@@ -306,7 +308,8 @@ class ModelRunner:
         from stride.model.files import default_model_path
 
         settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
-                    "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16}
+                    "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16,
+                    "embedding_rows": embedding_rows}
         step = cpu_step.StepRange(1, small_step_rows, -(-config.max_model_len // self.block_size), self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
 
@@ -371,8 +374,9 @@ class ModelRunner:
             step = self.compiled.find(len(q_lens), max_blocks) if decode_only else None
             if step is not None:  # its inputs on the host: one row of blocks per sequence, past its context block 0
                 self.last_step_compiled = True
-                return step(torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), torch.from_numpy(pos_host),
-                            torch.from_numpy(np.where(in_context, rows, 0).astype(np.int64)))
+                return self.model.compute_logits(step(
+                    torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), torch.from_numpy(pos_host),
+                    torch.from_numpy(np.where(in_context, rows, 0).astype(np.int64))))
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
         tables = tables_host.to(self.device, torch.int32, non_blocking=True)

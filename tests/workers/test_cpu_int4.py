@@ -126,9 +126,9 @@ def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None
     tokens the bf16 weights pick, but where those weights' top two log-probs are within 0.05 of each other."""
     torch.set_num_threads(1)
     plain = make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
-                        max_num_seqs=1, cpu_int4=False, cpu_int8_head=False)
+                        max_num_seqs=1, cpu_int4=False, cpu_int8_head=False, cpu_pack=False)
     fast = make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
-                       max_num_seqs=1, cpu_int4=True, cpu_int8_head=True)
+                       max_num_seqs=1, cpu_int4=True, cpu_int8_head=True, cpu_pack=False)
     on_grid = [m for m in fast.model.modules()
                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.int4 is not None]
     assert len(on_grid) == 4 * fast.args.num_layers  # qkv, o, gate_up and down of every layer
@@ -188,7 +188,8 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
     hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
     gguf = write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
     monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: native)
-    r = make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=2)
+    r = make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=2,
+                    cpu_pack=False)
     projections = [m for m in r.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     want = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
     assert projections and all(m.int4 is not None and m.int4.max_rows == want for m in projections)
@@ -229,33 +230,41 @@ def test_a_packed_weight_gives_the_plain_weights_products_bit_for_bit() -> None:
 
 
 @needs_packing
-@pytest.mark.parametrize("native, pack, int4, compiled, packed", [
-    (True, True, True, True, True),      # the grids' projections: no compiled step reads their weights
-    (True, True, False, True, False),    # no grids: the compiled step's small steps read the plain weights
-    (True, True, False, False, True),    # no grids, no compiled step: nothing else reads them
-    (True, False, True, True, False),    # STRIDE_CPU_PACK=0
-    (False, True, True, True, False),    # bf16 emulated: larger steps widen to float32 instead
+@pytest.mark.parametrize("native, pack, int4, compiled, tied, packed", [
+    (True, True, True, True, False, True),     # the grids' projections: no compiled step reads their weights
+    (True, True, False, True, False, False),   # no grids: the compiled step's small steps read the plain weights
+    (True, True, False, False, False, True),   # no grids, no compiled step: nothing else reads them
+    (True, False, True, True, False, False),   # STRIDE_CPU_PACK=0
+    (False, True, True, True, False, False),   # bf16 emulated: larger steps widen to float32 instead
+    (True, True, True, True, True, True),      # a tied head over a Q8_0 embedding (the default model's)
 ])
 def test_the_runner_packs_the_weights_nothing_else_reads(native: bool, pack: bool, int4: bool, compiled: bool,
-                                                         packed: bool, tmp_path: Path,
+                                                         tied: bool, packed: bool, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the runner packs, and that its answers stay the plain weights' to the bit. The head: packed with the
+    projections (its int8 copy dropped), a tied one only once the embedding reads its Q8_0 rows instead."""
     from stride.workers import runner as runner_module
 
-    hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
-    gguf = write_gguf(hf, tmp_path / "m.gguf", "Q4_1")
+    hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32, tie_word_embeddings=tied)
+    gguf = write_gguf(hf, tmp_path / "m.gguf", "Q4_1", {"token_embd.weight": "Q8_0"})
     monkeypatch.setattr(runner_module, "cpu_has_bf16", lambda: native)
     # A compiled step's build is stood in for: only whether one exists decides what may be packed.
     monkeypatch.setattr(runner_module.ModelRunner, "_compiled_step",
-                        lambda self, rows, native, config: object() if compiled else None)
+                        lambda self, rows, native, embedding_rows, config: object() if compiled else None)
 
     def runner(pack: bool) -> runner_module.ModelRunner:
+        # Without packing, no int8 head either: the logits of a 3-row step would come from it.
         return make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=4,
-                           cpu_pack=pack, cpu_int4=int4)
+                           cpu_pack=pack, cpu_int4=int4, cpu_int8_head=pack)
 
     r = runner(pack)
     projections = [m for m in r.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert projections and all(m.weight.is_mkldnn is packed for m in projections)
-    assert not r.model.lm_head.weight.is_mkldnn and not r.model.embed_tokens.weight.is_mkldnn
+    head, embedding = r.model.lm_head, r.model.embed_tokens
+    head_packed = native and pack  # the head never reaches a compiled step
+    assert head.weight.is_mkldnn is head_packed and (head.int8 is None or not head_packed)
+    assert (embedding.rows is not None) is head_packed
+    assert embedding.weight.is_meta is (head_packed and tied)  # a tied head's plain copy went
     if not packed:
         return
     # The runner's answers are the plain weights' to the bit: a prefill of three prompts (27 rows).

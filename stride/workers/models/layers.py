@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
-from stride.workers.cpu_int4 import SmallStepWeight, linear_packed
+from stride.workers.cpu_int4 import Q8Rows, SmallStepWeight, linear_packed
 
 if TYPE_CHECKING:  # stride.kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
@@ -327,12 +327,18 @@ class Embedding(_VocabRows):
         rows = -(-vocab_size // tp_size)
         self.weight = nn.Parameter(torch.empty(rows, dim), requires_grad=False)
 
+    rows: Q8Rows | None = None
+    """On the CPU, the weight's Q8_0 form, which lookups read (:func:`stride.workers.cpu_int4.attach_rows`)."""
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids) if self.rows is not None else F.embedding(ids, self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(token_ids, self.weight)
+            return self._lookup(token_ids)
         local = token_ids - self.tp_rank * self.weight.shape[0]
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return out.masked_fill_(outside[:, None], 0.0)
 
 
