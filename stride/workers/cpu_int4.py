@@ -238,7 +238,7 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
             small_step_rows = max_rows
             log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
                      nbytes / 1e6, max_rows)
-    if int8_head:
+    if int8_head and not (embedding_rows and head_packs(model)):  # a head packed later needs no int8 copy
         nbytes = attach_head(model, max_rows)
         if nbytes:
             small_step_rows = max_rows
@@ -295,6 +295,18 @@ def attach_rows(model: nn.Module) -> int:
     return rows.nbytes
 
 
+def head_packs(model: nn.Module) -> bool:
+    """Whether :func:`pack_large_steps` holds ``model``'s output projection in oneDNN's layout: a bf16 head on the
+    CPU, untied, or tied to an embedding that reads its :class:`Q8Rows`."""
+    head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if not (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.dim() == 2):
+        return False
+    tied = embedding is not None and getattr(embedding, "weight", None) is weight
+    return not tied or vars(embedding).get("rows") is not None
+
+
 def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
     """Hold each bf16 dense projection's weight in oneDNN's blocked layout (:func:`packed_bf16`) in place of the
     plain one, where nothing reads the plain one: with a compiled decode step (``compiled``) only the projections
@@ -318,19 +330,14 @@ def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
         count += 1
         nbytes += weight.numel() * weight.element_size()
     head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu" and weight.dim() == 2):
-        tied = embedding is not None and getattr(embedding, "weight", None) is weight
-        if not tied or vars(embedding).get("rows") is not None:
-            assert head is not None
-            head.weight = nn.Parameter(packed_bf16(weight.data), requires_grad=False)
-            setattr(head, "int8", None)  # noqa: B010 (nn.Module's typing hides the slot)
-            if tied and embedding is not None:
-                embedding.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                                requires_grad=False)
-            count += 1
-            nbytes += weight.numel() * weight.element_size()
+    if head is not None and head_packs(model):
+        w: torch.Tensor = head.weight.data
+        head.weight = nn.Parameter(packed_bf16(w), requires_grad=False)
+        setattr(head, "int8", None)  # noqa: B010 (nn.Module's typing hides the slot)
+        if embedding is not None and embedding.weight.data.data_ptr() == w.data_ptr():  # tied: lookups read its rows
+            embedding.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        count += 1
+        nbytes += w.numel() * w.element_size()
     if count:
         trim_heap()
         log.info("%d projections hold their bf16 weights in oneDNN's layout (%.0f MB)", count, nbytes / 1e6)

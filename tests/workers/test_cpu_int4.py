@@ -224,6 +224,11 @@ def test_a_packed_weight_gives_the_plain_weights_products_bit_for_bit() -> None:
         assert not torch.equal(cpu_int4.linear_packed(x, swapped), want)
     layer(torch.randn(3, 128).to(torch.bfloat16))
     assert spy.calls == [3]
+    # A projection without a grid keeps its plain weight where a compiled step's small steps read it.
+    bare = torch.nn.Sequential(ColumnParallelLinear(128, [96]))
+    bare[0].weight.data = plain.clone()
+    assert cpu_int4.pack_large_steps(bare, compiled=True) == (0, 0) and not bare[0].weight.is_mkldnn
+    assert cpu_int4.pack_large_steps(bare, compiled=False)[0] == 1 and bare[0].weight.is_mkldnn
     # The layout cannot be read as values: nothing may take it for the plain weight.
     with pytest.raises((RuntimeError, NotImplementedError)):
         F.linear(x, layer.weight)
@@ -232,7 +237,7 @@ def test_a_packed_weight_gives_the_plain_weights_products_bit_for_bit() -> None:
 @needs_packing
 @pytest.mark.parametrize("native, pack, int4, compiled, tied, packed", [
     (True, True, True, True, False, True),     # the grids' projections: no compiled step reads their weights
-    (True, True, False, True, False, False),   # no grids: the compiled step's small steps read the plain weights
+    (True, True, False, True, False, True),    # no grids, and the head packs: no small-step copies, no compiled step
     (True, True, False, False, False, True),   # no grids, no compiled step: nothing else reads them
     (True, False, True, True, False, False),   # STRIDE_CPU_PACK=0
     (False, True, True, True, False, False),   # bf16 emulated: larger steps widen to float32 instead
