@@ -271,7 +271,8 @@ class WorkerConfig:
     small steps compute their logits on it (:func:`stride.workers.cpu_int4.attach_head`)."""
     cpu_pack: bool = field(default_factory=env.CPU_PACK.get_bool)
     """On a CPU with native bf16, the bf16 projections whose plain weights no compiled step reads hold them in oneDNN's
-    blocked layout instead (:func:`stride.workers.cpu_int4.pack_large_steps`)."""
+    blocked layout instead, the output projection too (then without its int8 copy; a tied one once the embedding
+    reads its Q8_0 rows): :func:`stride.workers.cpu_int4.pack_large_steps`."""
     cpu_compile: bool = field(default_factory=env.CPU_COMPILE.get_bool)
     """On a CPU, run decode steps of up to 64 sequences (dense models) through the decode step compiled ahead of time
     (:mod:`stride.workers.cpu_step`): built in the background at the first start (eager steps until it is ready) and

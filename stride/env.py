@@ -65,7 +65,8 @@ CPU_INT8_HEAD = EnvVar(
 CPU_PACK = EnvVar(
     "STRIDE_CPU_PACK", "1",
     "'1' (default): on a CPU with native bf16, the bf16 projections' weights are held in oneDNN's blocked layout for "
-    "the steps their 4-bit grids do not take (the same products, 1.5-2x faster at 8-16 rows); '0': as loaded.")
+    "the steps their 4-bit grids do not take, and the output projection's for every step in place of its int8 copy "
+    "(the same products, 1.5-2x faster at 8-16 rows); '0': as loaded.")
 CPU_COMPILE = EnvVar(
     "STRIDE_CPU_COMPILE", "1",
     "'1' (default): a CPU worker runs its decode steps (up to 64 sequences, dense models) through a compiled step "

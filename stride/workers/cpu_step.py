@@ -4,8 +4,9 @@ aten ops and the Python around them.
 On a CPU a small decode step of the default model is bound by its host work, not its weights: ~60 small ops a
 layer (norms, RoPE, the attention's gathers and casts), each 3-10 us, plus the module calls around them, cost as
 much as the 4-bit projections themselves (perf-log). Inductor fuses those into a few loops per layer. The whole
-decode step of the real model (:class:`~stride.workers.models.llama.Transformer`, the reference attention's
-decode-only path, the small-step int4/int8 weights) is exported with ``torch.export`` and compiled by AOTInductor
+decode step of the real model up to its final norm (:class:`~stride.workers.models.llama.Transformer`, the
+reference attention's decode-only path, the small-step 4-bit grids and Q8_0 embedding rows; the head runs after it,
+eagerly) is exported with ``torch.export`` and compiled by AOTInductor
 into a package; the worker loads it with torch's C++ package loader (no inductor in the serving process) and runs
 the decode steps it covers through it, everything else eagerly as before.
 
