@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -150,9 +151,7 @@ the head is held in oneDNN's layout instead (:func:`pack_large_steps`) it is not
 row against int8's 2.7 on the Zen 4 machine, exactly."""
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
-    if head is None or not isinstance(weight, torch.Tensor) or not hasattr(torch, "_weight_int8pack_mm"):
-        return 0
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    if head is None or not _cpu_bf16_matrix(weight) or not hasattr(torch, "_weight_int8pack_mm"):
         return 0
     rows = Int8Rows(weight.data, max_rows)
     setattr(head, "int8", rows)  # noqa: B010 (nn.Module's typing hides the slot)
@@ -231,7 +230,7 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
     :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``; the embedding's
     :class:`Q8Rows` with ``embedding_rows``, which :func:`pack_large_steps` then relies on). Returns the rows of
     the largest step they take (0: none attached)."""
-    if embedding_rows:
+    if embedding_rows and _tied(model):  # only a tied head needs the embedding off its bf16 weight
         attach_rows(model)
     max_rows = MAX_ROWS if native_bf16 else EMULATED_MAX_ROWS
     small_step_rows = 0
@@ -298,16 +297,25 @@ def attach_rows(model: nn.Module) -> int:
     return rows.nbytes
 
 
+def _cpu_bf16_matrix(weight: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``weight`` is a plain (not yet packed) 2-D bf16 tensor on the CPU: what the copies here are made of."""
+    return (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.dim() == 2)
+
+
+def _tied(model: nn.Module) -> bool:
+    """Whether ``model``'s output projection shares the token embedding's weight."""
+    head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    return weight is not None and getattr(embedding, "weight", None) is weight
+
+
 def head_packs(model: nn.Module) -> bool:
     """Whether :func:`pack_large_steps` holds ``model``'s output projection in oneDNN's layout: a bf16 head on the
     CPU, untied, or tied to an embedding that reads its :class:`Q8Rows`."""
-    head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    weight = getattr(head, "weight", None)
-    if not (isinstance(weight, torch.Tensor) and not weight.is_mkldnn and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu" and weight.dim() == 2):
+    if not _cpu_bf16_matrix(getattr(getattr(model, "lm_head", None), "weight", None)):
         return False
-    tied = embedding is not None and getattr(embedding, "weight", None) is weight
-    return not tied or vars(embedding).get("rows") is not None
+    return not _tied(model) or vars(model.embed_tokens).get("rows") is not None
 
 
 def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
@@ -323,21 +331,20 @@ def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
     count = nbytes = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if "int4" not in vars(type(module)) or not isinstance(weight, torch.Tensor) or weight.is_mkldnn:
-            continue
-        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        if "int4" not in vars(type(module)) or not _cpu_bf16_matrix(weight):
             continue
         if compiled and getattr(module, "int4") is None:  # noqa: B009 (typing hides the slot)
             continue
         module.weight = nn.Parameter(packed_bf16(weight.data), requires_grad=False)
         count += 1
         nbytes += weight.numel() * weight.element_size()
-    head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
     if head is not None and head_packs(model):
-        w: torch.Tensor = head.weight.data
+        tied, w = _tied(model), head.weight.data
         head.weight = nn.Parameter(packed_bf16(w), requires_grad=False)
         setattr(head, "int8", None)  # noqa: B010 (nn.Module's typing hides the slot)
-        if embedding is not None and embedding.weight.data.data_ptr() == w.data_ptr():  # tied: lookups read its rows
+        if tied:  # lookups read the embedding's rows
+            embedding: nn.Module = getattr(model, "embed_tokens")  # noqa: B009 (typing: a module, not a tensor)
             embedding.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
         count += 1
         nbytes += w.numel() * w.element_size()
