@@ -41,7 +41,13 @@ def default_decode_config(
     return DecodeConfig(block_n=128, partition=partition, num_warps=4, num_stages=stages)
 
 
-@triton.jit
+# Per-step values are not specialised on (Triton would compile a variant per divisibility-by-16 of each int and per
+# 16-byte alignment of each pointer): the block tables' row stride, the context lengths and the tables of a mixed
+# step's decodes or chunks (rows of the step's tensors, offset by the decodes before them), the split count and
+# partition. Every step of a shape then runs one compiled kernel, which the worker's warm-up compiles before
+# serving; each is read a few times per program, so no load is wider for knowing them.
+@triton.jit(do_not_specialize=["num_splits", "partition", "stride_bt"],
+            do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr"])
 def _decode_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr,
@@ -110,7 +116,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "partition"], do_not_specialize_on_alignment=["ctx_ptr"])
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr,
     num_heads, num_splits, partition, stride_os, stride_oh,

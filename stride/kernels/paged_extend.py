@@ -22,7 +22,9 @@ class ExtendConfig:
     num_stages: int = 2
 
 
-@triton.jit
+# Per-step values unspecialised, as in stride.kernels.paged_decode: a mixed step passes rows of its tensors past its
+# decodes, so their alignment and the tables' stride change from step to step.
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["bt_ptr", "cu_ptr", "ctx_ptr"])
 def _extend_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr,
     qk_scale,

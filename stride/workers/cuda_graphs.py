@@ -15,10 +15,10 @@ Shapes are bucketed so a handful of graphs serve every step:
   sequence's own length, so a graph serves every context up to its bucket.
 
 The worker captures every batch bucket at the shortest context bucket before it reports ready
-(:meth:`DecodeGraphs.capture_all`), then batch 1's next bucket through its warm-up steps
-(:meth:`stride.workers.runner.ModelRunner.warm_up`, which compiles the split kernels); the other graphs of longer
-contexts are captured on their first step (each new split count's reduction kernel compiles then: 1.2-1.7 s on an
-H200 with an empty Triton cache).
+(:meth:`DecodeGraphs.capture_all`), then batch 1's graph in every longer context bucket through its warm-up steps
+(:meth:`stride.workers.runner.ModelRunner.warm_up`, which compiles the split kernels, a reduction for each power of
+two of the split count: 1.2-1.7 s each on an H200 with an empty Triton cache); the other graphs of longer contexts are
+captured on their first step, with nothing left to compile.
 
 What a graph holds fixed: the kernels' launch configs (looked up for the bucket at capture), the caches'
 addresses, the weights' addresses. Steps that prefill, that are larger than ``max_batch``, or models

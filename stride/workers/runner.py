@@ -22,7 +22,7 @@ from stride.planner.memory import MAX_GRAPH_BATCH
 from stride.workers.attention import AttentionContext, AttentionMetadata
 from stride.workers.backends import get_backend
 from stride.workers.cpu_int4 import cpu_flags
-from stride.workers.cuda_graphs import DecodeGraphs
+from stride.workers.cuda_graphs import MIN_CONTEXT, DecodeGraphs
 from stride.workers.kv_cache import KVCache, free_device_bytes, num_blocks_for_memory, resolve_kv_dtype
 from stride.workers.loader import ProgressCallback, load_model, use_w4a16
 from stride.workers.models.layers import W4A16Linear, use_fused_kernels
@@ -251,10 +251,10 @@ class ModelRunner:
 
     def warm_up(self, progress: ProgressCallback | None = None) -> None:
         """Run the kinds of step serving will meet (a whole prefill chunk; chunks beside few and beside many decodes;
-        token counts that are and are not multiples of 16; decodes long enough to split their context) once on
-        made-up tokens, so that Triton compiles their kernels now and not under the first requests. A fresh H200
-        served an 8B's first 256 x 1k/1k run with its steps that carry prefill chunks at 348-384 ms against 199-228
-        once compiled (perf-log, 2026-12-03).
+        token counts that are and are not multiples of 16; decodes alone and beside a chunk in every context bucket,
+        split into every power of two of programs they can be) once on made-up tokens, so that Triton compiles their
+        kernels now and not under the first requests. A fresh H200 served an 8B's first 256 x 1k/1k run with its
+        steps that carry prefill chunks at 348-384 ms against 199-228 once compiled (perf-log, 2026-12-03).
 
         Before serving no block holds anything the scheduler could name, so the steps write the cache's first blocks
         (sharing them where the cache is small); every block is written by its owner before it is read."""
@@ -262,8 +262,13 @@ class ModelRunner:
         bs = self.block_size
         budget = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         many = min(cfg.max_num_seqs - 1, budget // 2, 255)
-        # Past 256 keys a few decodes split their context over programs (stride.kernels.paged_decode's default).
-        decode_ctx = min(cfg.max_model_len, 2 * 256 + 3)
+        # Past 256 keys a few decodes split their context over programs (stride.kernels.paged_decode's default), and
+        # the reduction of the splits compiles once per power of two of their count. One odd context in each of the
+        # graphs' context buckets past the shortest (2 * MIN_CONTEXT = 512 keys, then 1,024, ...) meets every count
+        # a context up to max_model_len can have: 2, 4, 8, 16 splits up to 4k keys, in a decode alone (a graph,
+        # with programmatic dependent launch where allowed) and beside a short chunk (eager, without).
+        contexts = [t // 2 + 3 for t in (MIN_CONTEXT << k for k in range(1, 32)) if t // 2 + 3 <= cfg.max_model_len]
+        decode_ctx = contexts[1] if len(contexts) > 1 else min(cfg.max_model_len, 2 * MIN_CONTEXT + 3)
         # Each step: (the decodes' contexts, the chunk's (start, length) or None); nothing past max_model_len.
         steps: list[tuple[list[int], tuple[int, int] | None]] = [([], (0, budget))]
         for decodes in sorted({min(3, many), many}):
@@ -272,13 +277,23 @@ class ModelRunner:
             if decodes >= 1 and length >= 2 and start >= 0:
                 steps.append(([decode_ctx] * decodes, (start, length)))
         steps.append(([decode_ctx], None))  # a decode alone: the graphs' longer context buckets, where captured
+        few, short = min(3, many), min(17, budget - min(3, many))
+        for ctx in contexts:
+            if ctx == decode_ctx:
+                continue  # met above
+            steps.append(([ctx], None))
+            if few >= 1 and short >= 2 and short + bs + 5 <= cfg.max_model_len:
+                steps.append(([ctx] * few, (bs + 5, short)))
+        # As wide as serving's block tables: a decode graph's context bucket is capped at the table's width, so a
+        # narrower table would capture (and compile for) buckets serving never meets.
+        width = -(-cfg.max_model_len // bs)
         t0 = time.perf_counter()
         for i, (decodes_at, chunk) in enumerate(steps):
             start, length = chunk or (0, 0)
             ctx = np.array(decodes_at + ([start + length] if chunk else []), dtype=np.int64)
             q_lens = np.array([1] * len(decodes_at) + ([length] if chunk else []), dtype=np.int64)
             blocks_per_row = -(-ctx // bs)
-            tables = np.zeros((len(ctx), int(blocks_per_row.max())), dtype=np.int32)
+            tables = np.zeros((len(ctx), width), dtype=np.int32)
             used = np.arange(int(blocks_per_row.sum())) % self.num_blocks
             tables[np.arange(tables.shape[1])[None, :] < blocks_per_row[:, None]] = used
             positions = np.concatenate([np.arange(c - q, c) for c, q in zip(ctx, q_lens, strict=True)])

@@ -7,6 +7,7 @@ gpu): captured graphs against eager steps, greedy tokens and logits, across batc
 
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 from pathlib import Path
@@ -107,21 +108,23 @@ def test_graph_path_equals_eager_cpu(tiny_path: Path) -> None:
 @torch.inference_mode()
 def test_warm_up_covers_the_step_kinds_and_changes_nothing(tiny_path: Path) -> None:
     sizes = dict(device="cpu", num_blocks=40, block_size=4, max_num_batched_tokens=48, max_num_seqs=8,
-                 max_model_len=64)
+                 max_model_len=1100)
     warmed, cold = make_runner(str(tiny_path), **sizes), make_runner(str(tiny_path), **sizes)
-    seen: list[tuple[int, int]] = []  # (decodes, tokens) of each warm-up step
+    seen: list[tuple[int, int, int]] = []  # (decodes, tokens, longest context) of each warm-up step
     forward = warmed.forward
 
     def spy(tokens, positions, slots, q_lens, ctx, tables):  # type: ignore[no-untyped-def]
-        assert np.all(ctx <= 64) and len(tokens) <= 48 and tables.max() < 40
-        seen.append((int(np.sum(q_lens == 1)), len(tokens)))
+        assert np.all(ctx <= 1100) and len(tokens) <= 48 and tables.max() < 40
+        seen.append((int(np.sum(q_lens == 1)), len(tokens), int(ctx.max())))
         return forward(tokens, positions, slots, q_lens, ctx, tables)
 
     warmed.forward = spy  # type: ignore[method-assign]
     warmed.warm_up()
     del warmed.forward
-    # A whole chunk alone; chunks beside few and beside many decodes, odd token counts; a decode alone.
-    assert seen == [(0, 48), (3, 34), (7, 38), (1, 1)]
+    # A whole chunk alone; chunks beside few and beside many decodes, odd token counts; a decode alone; then a decode
+    # alone and beside a short chunk in each longer context bucket (512 keys, 2,048; 1,024 met above) up to 1,100.
+    assert seen == [(0, 48, 48), (3, 34, 515), (7, 38, 515), (1, 1, 515),
+                    (1, 1, 259), (3, 20, 259), (1, 1, 1027), (3, 20, 1027)]
     # It did write the cache (else the equality below would prove nothing) ...
     assert any(k.abs().sum() > 0 for k in warmed.kv_cache.k_caches)
     assert all(k.abs().sum() == 0 for k in cold.kv_cache.k_caches)
@@ -360,7 +363,9 @@ def test_graph_memory_within_reserve_and_capture_oom_falls_back(
 @pytest.mark.gpu
 def test_worker_captures_shortest_context_graphs_before_serving(tmp_path: Path) -> None:
     """Built as the worker process builds it, the runner has every batch bucket's graph at the shortest context
-    bucket before its first step (largest first, progress reported); steps of those buckets only replay."""
+    bucket before its first step (largest first, progress reported), and batch 1's in each longer context bucket
+    from its warm-up steps (buckets as wide as serving's tables, each replayed once); steps of those buckets only
+    replay."""
     from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
 
     path = make_checkpoint("tiny-llama", tmp_path / "ck", torch.float32)
@@ -371,15 +376,18 @@ def test_worker_captures_shortest_context_graphs_before_serving(tmp_path: Path) 
         progress=lambda msg, frac: seen.append((msg, frac)))
     graphs = runner.graphs
     assert graphs is not None and graphs.buckets == [1, 2, 4, 8, 16, 32, 40]
-    assert sorted(graphs._graphs) == [(b, 16) for b in graphs.buckets]  # 256 tokens in 16-token blocks
-    assert all(g.graph is not None and g.replays == 0 for g in graphs._graphs.values())
-    assert seen[-1] == ("captured decode graph 7 of 7", 1.0)
+    # 256 tokens in 16-token blocks; then 512 and 1,024 tokens (the warm-up's decodes at 259 and 515 keys).
+    assert sorted(graphs._graphs) == sorted([(b, 16) for b in graphs.buckets] + [(1, 32), (1, 64)])
+    assert all(g.graph is not None and g.replays == (g.columns > 16) for g in graphs._graphs.values())
+    assert ("captured decode graph 7 of 7", 1.0) in seen
     tables = np.arange(40 * 64, dtype=np.int32).reshape(40, 64) % runner.num_blocks
     for n in (3, 40, 1):
         decode_step(runner, list(range(n)), [100] * n, tables)
-    assert graphs.num_graphs == 7 and sum(g.replays for g in graphs._graphs.values()) == 3
+    assert graphs.num_graphs == 9 and sum(g.replays for g in graphs._graphs.values()) == 2 + 3
     decode_step(runner, [1, 2], [300, 300], tables)  # a longer context: its graph on first use
-    assert graphs.num_graphs == 8
+    assert graphs.num_graphs == 10
+    decode_step(runner, [1], [700], tables)  # batch 1 at 1,024: warmed, replayed
+    assert graphs.num_graphs == 10 and graphs._graphs[(1, 64)].replays == 2
 
 
 def test_step_budget_follows_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -413,3 +421,48 @@ def test_step_budget_follows_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher, "_cuda_present", lambda: False)
     assert budget() == SchedulerConfig.max_num_batched_tokens
     shutil.rmtree(root, ignore_errors=True)
+
+
+@torch.inference_mode()
+@gpu
+@pytest.mark.gpu
+def test_nothing_compiles_after_the_warm_up(tmp_path: Path) -> None:
+    """After the worker's warm-up, steps of every kind serving meets compile no attention kernel: mixed steps with any
+    number of decodes before their chunks (rows of the step's tensors at any alignment), tables of any width, decodes
+    split any number of ways up to max_model_len, decode-only steps of any batch and context (graphs)."""
+    from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from stride.kernels import paged_decode, paged_extend
+
+    gc.collect()  # an earlier test's runner still holding its share of the device
+    torch.cuda.empty_cache()
+    path = make_checkpoint("tiny-llama", tmp_path / "ck", torch.float32)
+    runner = ModelRunner.from_config(
+        WorkerConfig(model=str(path), device="cuda", dtype="float32", gpu_memory_utilization=0.4),
+        CacheConfig(block_size=16), SchedulerConfig(max_num_seqs=40, max_model_len=1024, max_num_batched_tokens=512))
+    kernels = [paged_decode._decode_kernel, paged_decode._decode_reduce_kernel, paged_extend._extend_kernel]
+    device = torch.cuda.current_device()
+
+    def compiled() -> list[int]:
+        return [len(k.device_caches[device][0]) for k in kernels]
+
+    warmed = compiled()
+    assert all(n >= 1 for n in warmed), warmed
+    tables = np.arange(41 * 64, dtype=np.int32).reshape(41, 64) % runner.num_blocks
+    vocab = runner.args.vocab_size
+    for decodes in (1, 2, 4, 5, 8, 16, 33):
+        for ctx in (100, 256, 300, 511, 512, 700, 1000):
+            start, length = ctx % 97 + 1, 3 + decodes
+            ctx_lens = np.array([ctx] * decodes + [start + length], dtype=np.int64)
+            q_lens = np.array([1] * decodes + [length], dtype=np.int64)
+            positions = np.concatenate([np.arange(c - q, c) for c, q in zip(ctx_lens, q_lens, strict=True)])
+            runner.forward(positions % vocab, positions, np.arange(decodes + 1), q_lens, ctx_lens, tables)
+    for batch in (1, 3, 16, 40):
+        for ctx in (100, 300, 700, 1000):
+            decode_step(runner, list(range(batch)), [ctx] * batch, tables)
+    assert compiled() == warmed
+    # Negative control: the count does count, a kernel of another shape compiles.
+    q = torch.randn(2, 8, 32, device="cuda")
+    k_cache = torch.randn(4, 16, 2, 32, device="cuda")
+    paged_decode.paged_decode(q, k_cache, k_cache, torch.zeros(2, 1, dtype=torch.int32, device="cuda"),
+                              torch.full((2,), 5, dtype=torch.int32, device="cuda"), 0.1, 5)
+    assert compiled()[0] == warmed[0] + 1
