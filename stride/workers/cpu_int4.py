@@ -318,42 +318,6 @@ def head_packs(model: nn.Module) -> bool:
     return not _tied(model) or vars(model.embed_tokens).get("rows") is not None
 
 
-PACKED: list[torch.Tensor] = []
-"""The packed weights the op ``stride::packed_linear`` multiplies by, by key (:func:`packed_projections`' order): set
-by the compiled step that calls it (:class:`stride.workers.cpu_step.CompiledStep`) before each call, so several
-runners in one process each run on their own."""
-
-
-def packed_projections(model: nn.Module) -> list[nn.Module]:
-    """The projections a compiled step for more rows than the grids take reaches through ``stride::packed_linear``,
-    in module order, which is their key: those with a 4-bit grid (the worker holds their weight packed,
-    :func:`pack_large_steps`), the head aside (it runs after the step). The same modules in the child that builds the
-    step (whose weights are plain) as in the worker."""
-    return [m for name, m in model.named_modules()
-            if name != "lm_head" and "int4" in vars(type(m)) and getattr(m, "int4") is not None]  # noqa: B009
-
-
-def packed_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The packed weights of :func:`packed_projections`, by key; every one must be packed."""
-    weights: list[torch.Tensor] = [getattr(m, "weight").data for m in packed_projections(model)]  # noqa: B009
-    if not all(w.is_mkldnn for w in weights):
-        raise ValueError("a projection with a 4-bit grid holds no packed weight (pack_large_steps not run?)")
-    return weights
-
-
-@torch.library.custom_op("stride::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    """``x @ W.T`` for ``W = PACKED[key]``: how a compiled step (AOTInductor cannot take an ``mkldnn`` tensor as an
-    input) multiplies by the worker's packed weights, called back through the dispatcher (~15 us a call more than
-    :func:`linear_packed` on this CPU)."""
-    return linear_packed(x, PACKED[key])
-
-
-@packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
 def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
     """Hold each bf16 dense projection's weight in oneDNN's blocked layout (:func:`packed_bf16`) in place of the
     plain one, where nothing reads the plain one: with a compiled decode step (``compiled``) only the projections

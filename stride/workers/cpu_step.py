@@ -150,13 +150,9 @@ def _restore_small_steps(model: nn.Module, originals: dict[str, torch.Tensor]) -
         setattr(getattr(model.get_submodule(path), slot), field_name, tensor)
 
 
-def export(model: nn.Module, caches: Sequence[torch.Tensor], step: StepRange, packed: bool = False) -> Any:
-    """``torch.export`` of :class:`DecodeStep` over ``step``'s range, the pool size dynamic too. ``packed``: the
-    projections with a 4-bit grid as the op ``stride::packed_linear`` over the worker's packed weights (steps larger
-    than the grids take), their own weights never read."""
+def export(model: nn.Module, caches: Sequence[torch.Tensor], step: StepRange) -> Any:
+    """``torch.export`` of :class:`DecodeStep` over ``step``'s range, the pool size dynamic too."""
     from torch.export import Dim
-
-    from stride.workers.cpu_int4 import packed_projections
 
     module = DecodeStep(model, step.block_size)
     rows = 2 if step.min_rows <= 2 <= step.max_rows else step.min_rows
@@ -173,47 +169,33 @@ def export(model: nn.Module, caches: Sequence[torch.Tensor], step: StepRange, pa
         "caches": [{0: pool_dim}] * len(caches), "weights": [None] * len(module.names),
     }
     weights = [t for _, t in weight_tensors(model)]
-    routed = packed_projections(model) if packed else []
-    for key, projection in enumerate(routed):
-        setattr(projection, "packed_key", key)  # noqa: B010 (nn.Module's typing hides the attribute)
-    try:
-        with torch.inference_mode(False), torch.no_grad():
-            return torch.export.export(module, (tokens, positions, blocks, list(caches), weights),
-                                       dynamic_shapes=dynamic, strict=False)
-    finally:
-        for projection in routed:
-            setattr(projection, "packed_key", None)  # noqa: B010
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.export.export(module, (tokens, positions, blocks, list(caches), weights),
+                                   dynamic_shapes=dynamic, strict=False)
 
 
-def compile_package(exported: Any, path: Path, one_thread: bool = True) -> None:
-    """AOTInductor: ``exported`` compiled into the package ``path`` (written whole or not at all). ``one_thread``:
-    the generated loops single-threaded, the library kernels they call (the int4/int8 products, SDPA) on the worker's
-    threads: a 1-4-row step's loops are too small for a team of threads to pay for its barriers. At 16 rows the other
-    way round: on one thread the step was slower than eager (83-91 against 66-75 ms), on the worker's two 1.10-1.26x
-    faster (perf-log, 2026-12-03)."""
+def compile_package(exported: Any, path: Path) -> None:
+    """AOTInductor: ``exported`` compiled into the package ``path`` (written whole or not at all)."""
     import torch._inductor
 
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
     # emulate_precision_casts: inductor rounds bf16 intermediates where eager rounds them, so the answers are eager's
     # to the order of fused reductions (without it they drift further, and the step was no faster: perf-log).
-    configs: dict[str, Any] = {"emulate_precision_casts": True}
-    if one_thread:
-        configs["cpp.threads"] = 1
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=configs)
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs={
+        "emulate_precision_casts": True,
+        # The generated loops single-threaded, the library kernels they call (the int4/int8 products, SDPA) on the
+        # worker's threads: a decode step's loops are too small for a team of threads to pay for its barriers.
+        "cpp.threads": 1,
+    })
     os.replace(tmp, path)
 
 
 class CompiledStep:
     """A loaded package: runs the decode steps of its :class:`StepRange` on the model's own weights and caches."""
 
-    def __init__(self, path: Path, step: StepRange, model: nn.Module, caches: Sequence[torch.Tensor],
-                 packed: bool = False) -> None:
-        from stride.workers import cpu_int4
-
+    def __init__(self, path: Path, step: StepRange, model: nn.Module, caches: Sequence[torch.Tensor]) -> None:
         self.step = step
         self.path = path
-        self.packed = cpu_int4.packed_weights(model) if packed else None
-        """The worker's packed weights the package's ``stride::packed_linear`` reads, by key (None: it has none)."""
         meta = json.loads(path.with_suffix(".json").read_text())
         weights = weight_tensors(model)
         names = [name for name, _ in weights]
@@ -226,10 +208,6 @@ class CompiledStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states (rows, hidden) for the head; ``tokens``, ``positions`` (rows,) and ``blocks``
         (rows, blocks) int64."""
-        if self.packed is not None:
-            from stride.workers import cpu_int4
-
-            cpu_int4.PACKED[:] = self.packed
         out: torch.Tensor = self._loader.run([tokens, positions, blocks, *self._inputs])[0]
         return out
 
@@ -269,13 +247,11 @@ class BackgroundStep:
 
     ``settings``: what the child loads the model with (``model`` a file or folder, ``dtype``, ``cpu_int4``,
     ``cpu_int8_head`` as in :class:`~stride.config.WorkerConfig`, ``native_bf16`` as
-    :func:`stride.workers.runner.cpu_has_bf16` says; ``packed``: a step over the worker's packed weights, see
-    :func:`export`), and part of the package's key."""
+    :func:`stride.workers.runner.cpu_has_bf16` says), and part of the package's key."""
 
     def __init__(self, settings: dict[str, Any], step: StepRange, model: nn.Module,
                  caches: Sequence[torch.Tensor]) -> None:
-        self.settings, self.step, self.model, self.caches = settings, step, model, list(caches)
-        self.packed = bool(settings.get("packed"))
+        self.step, self.model, self.caches = step, model, list(caches)
         self.ready: CompiledStep | None = None
         self.path = cache_dir() / f"{package_key(settings, step)}.pt2"
         self._build: subprocess.Popen[bytes] | None = None
@@ -319,7 +295,7 @@ class BackgroundStep:
 
     def _load(self) -> None:
         try:
-            self.ready = CompiledStep(self.path, self.step, self.model, self.caches, self.packed)
+            self.ready = CompiledStep(self.path, self.step, self.model, self.caches)
         except Exception as exc:  # a package that does not load: eager, said once
             log.warning("could not load the compiled decode step %s (%s): decode steps stay eager", self.path, exc)
 
@@ -368,12 +344,11 @@ def _build(spec: dict[str, Any]) -> None:
                          settings.get("embedding_rows", False))
     cache = KVCache(model.args, 2, step.block_size, "cpu", dtype)  # type: ignore[arg-type]
     print(f"loaded in {time.monotonic() - started:.1f} s", flush=True)
-    packed = bool(settings.get("packed"))
-    exported = export(model, cache.k_caches + cache.v_caches, step, packed)
+    exported = export(model, cache.k_caches + cache.v_caches, step)
     print(f"exported in {time.monotonic() - started:.1f} s", flush=True)
     out.with_suffix(".json").write_text(json.dumps({"weights": DecodeStep(model, step.block_size).names,
                                                     "step": asdict(step)}))
-    compile_package(exported, out, one_thread=not packed)
+    compile_package(exported, out)
     print(f"compiled in {time.monotonic() - started:.1f} s: {out}", flush=True)
 
 

@@ -33,11 +33,6 @@ if TYPE_CHECKING:  # imported where it runs: only a CPU worker that compiles its
 
 log = logging.getLogger(__name__)
 
-PACKED_STEP_MAX_ROWS = 16
-"""The most rows a compiled CPU decode step on the packed weights takes (past the grids' small steps). Measured at
-16 (the default model, a 2-core Zen 4): 1.10-1.26x eager at ~100-key contexts, 1.06-1.10x at ~200 (perf-log,
-2026-12-03); larger steps stay eager, where the products' share of the step is larger."""
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -218,18 +213,8 @@ class ModelRunner:
             pack = native and worker.cpu_pack and cpu_int4.packing_available()
             small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native, pack)
         self.compiled = self._compiled_step(small_step_rows, native, pack, config) if small_step_rows else None
-        self.compiled_large: BackgroundStep | None = None
-        """The compiled step for the decode steps past the grids' (``small_step_rows + 1`` to
-        :data:`PACKED_STEP_MAX_ROWS` rows) on the packed weights; its build starts once the small one is done."""
-        self._large_pending: tuple[dict[str, Any], Any] | None = None
         if pack:
             cpu_int4.pack_large_steps(self.model, compiled=self.compiled is not None)
-            if self.compiled is not None and min(max_num_seqs, PACKED_STEP_MAX_ROWS) > small_step_rows:
-                from stride.workers import cpu_step
-
-                step = self.compiled.step
-                self._large_pending = (dict(self.compiled.settings, packed=True), cpu_step.StepRange(
-                    small_step_rows + 1, min(max_num_seqs, PACKED_STEP_MAX_ROWS), step.max_blocks, step.block_size))
         if graphs and self.device.type == "cuda" and worker.pdl:
             from stride.kernels.common import set_pdl  # loaded with the triton backend already
 
@@ -402,17 +387,6 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.poll()
             step = self.compiled.find(len(q_lens), max_blocks) if decode_only else None
-            if self._large_pending is not None and not self.compiled.building:  # one build at a time
-                from stride.workers import cpu_step
-
-                settings, large = self._large_pending
-                self._large_pending = None
-                self.compiled_large = cpu_step.BackgroundStep(
-                    settings, large, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
-            if self.compiled_large is not None:
-                self.compiled_large.poll()
-                if step is None and decode_only:
-                    step = self.compiled_large.find(len(q_lens), max_blocks)
             if step is not None:  # its inputs on the host: one row of blocks per sequence, past its context block 0
                 self.last_step_compiled = True
                 return self.model.compute_logits(step(
@@ -429,9 +403,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop what runs beside the runner (a compiled step's build: the next start begins it again)."""
-        for background in (self.compiled, self.compiled_large):
-            if background is not None:
-                background.close()
+        if self.compiled is not None:
+            self.compiled.close()
 
     def step(self, buffers: Any, num_tokens: int, num_seqs: int) -> torch.Tensor:
         """:meth:`forward` over a :class:`stride.ipc.layouts.StepBuffers` (views, no copies)."""

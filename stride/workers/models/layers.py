@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stride.workers.checkpoint import Part, Region, narrow, packed, shape_of
-from stride.workers.cpu_int4 import Q8Rows, SmallStepWeight, linear_packed, packed_linear
+from stride.workers.cpu_int4 import Q8Rows, SmallStepWeight, linear_packed
 
 if TYPE_CHECKING:  # stride.kernels import Triton; the CPU worker must not (see use_fused_kernels)
     from stride.workers.kernel_configs import KernelConfigs
@@ -120,13 +120,8 @@ class ColumnParallelLinear(Loadable):
     """On the CPU, the weight's 4-bit grid where it has one (:mod:`stride.workers.cpu_int4`), for small steps."""
     upcast: bool = False
     """On a CPU that emulates bf16 products, the steps ``int4`` does not take multiply in float32."""
-    packed_key: int | None = None
-    """Set only while a compiled CPU step for larger steps is exported: the projection is then the op
-    ``stride::packed_linear`` over the worker's packed weight of this key (:mod:`stride.workers.cpu_step`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_key is not None:
-            return packed_linear(x, self.packed_key, self.weight.shape[0])
         return project(x, self.weight, self.int4, self.upcast)
 
 
@@ -151,13 +146,9 @@ class RowParallelLinear(Loadable):
     """As :attr:`ColumnParallelLinear.int4`."""
     upcast: bool = False
     """As :attr:`ColumnParallelLinear.upcast`."""
-    packed_key: int | None = None
-    """As :attr:`ColumnParallelLinear.packed_key`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Partial sums with tp_size > 1: the tensor-parallel pass all-reduces them.
-        if self.packed_key is not None:
-            return packed_linear(x, self.packed_key, self.weight.shape[0])
         return project(x, self.weight, self.int4, self.upcast)
 
 
