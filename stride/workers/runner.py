@@ -189,7 +189,7 @@ class ModelRunner:
             # capture, after the cache took its share (at start, and for longer contexts on first use).
             num_blocks = num_blocks_for_memory(
                 self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs, tp_size,
-                graph_table_width=-(-config.max_model_len // block_size) if graphs else 0, kv_dtype=self.kv_dtype,
+                graph_table_width=self.table_width if graphs else 0, kv_dtype=self.kv_dtype,
             )
             # The decode graphs' padding block comes out of the measured memory too.
             num_blocks -= int(graphs)
@@ -249,6 +249,11 @@ class ModelRunner:
             runner.warm_up(progress)
         return runner
 
+    @property
+    def table_width(self) -> int:
+        """Columns of serving's block tables (:func:`stride.config.max_blocks_per_seq`): enough for max_model_len."""
+        return -(-self.config.max_model_len // self.block_size)
+
     def warm_up(self, progress: ProgressCallback | None = None) -> None:
         """Run the kinds of step serving will meet (a whole prefill chunk; chunks beside few and beside many decodes;
         token counts that are and are not multiples of 16; decodes alone and beside a chunk in every context bucket,
@@ -267,17 +272,21 @@ class ModelRunner:
         # graphs' context buckets past the shortest (2 * MIN_CONTEXT = 512 keys, then 1,024, ...) meets every count
         # a context up to max_model_len can have: 2, 4, 8, 16 splits up to 4k keys, in a decode alone (a graph,
         # with programmatic dependent launch where allowed) and beside a short chunk (eager, without).
-        contexts = [t // 2 + 3 for t in (MIN_CONTEXT << k for k in range(1, 32)) if t // 2 + 3 <= cfg.max_model_len]
-        decode_ctx = contexts[1] if len(contexts) > 1 else min(cfg.max_model_len, 2 * MIN_CONTEXT + 3)
+        contexts, bucket = [], 2 * MIN_CONTEXT
+        while bucket // 2 + 3 <= cfg.max_model_len:
+            contexts.append(bucket // 2 + 3)
+            bucket *= 2
+        decode_ctx = min(cfg.max_model_len, 2 * MIN_CONTEXT + 3)  # the second of those where there is one
+        few = min(3, many)
         # Each step: (the decodes' contexts, the chunk's (start, length) or None); nothing past max_model_len.
         steps: list[tuple[list[int], tuple[int, int] | None]] = [([], (0, budget))]
-        for decodes in sorted({min(3, many), many}):
+        for decodes in sorted({few, many}):
             length = budget - decodes - (budget - decodes) % 16 - 1  # odd: the other integer specialisation
             start = min(bs + 5, cfg.max_model_len - length)
             if decodes >= 1 and length >= 2 and start >= 0:
                 steps.append(([decode_ctx] * decodes, (start, length)))
         steps.append(([decode_ctx], None))  # a decode alone: the graphs' longer context buckets, where captured
-        few, short = min(3, many), min(17, budget - min(3, many))
+        short = min(17, budget - few)
         for keys in contexts:
             if keys == decode_ctx:
                 continue  # met above
@@ -286,7 +295,7 @@ class ModelRunner:
                 steps.append(([keys] * few, (bs + 5, short)))
         # As wide as serving's block tables: a decode graph's context bucket is capped at the table's width, so a
         # narrower table would capture (and compile for) buckets serving never meets.
-        width = -(-cfg.max_model_len // bs)
+        width = self.table_width
         t0 = time.perf_counter()
         for i, (decodes_at, chunk) in enumerate(steps):
             start, length = chunk or (0, 0)
@@ -325,7 +334,7 @@ class ModelRunner:
         settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
                     "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16,
                     "embedding_rows": embedding_rows}
-        step = cpu_step.StepRange(1, small_step_rows, -(-config.max_model_len // self.block_size), self.block_size)
+        step = cpu_step.StepRange(1, small_step_rows, self.table_width, self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
 
     def _graphs_wanted(self, enabled: bool) -> bool:
