@@ -93,10 +93,12 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks of the cache (default: just enough; a served cache fills the device)")
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="print the N kernels with most device time")
+    p.add_argument("--kv-dtype", default="auto", help="the KV cache's dtype, as `stride serve --kv-dtype`")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     need = max(a.num_blocks, max(batches) * -(-(a.context + a.steps + 12) // 16))
-    worker = WorkerConfig(model=a.model, device="cuda", dtype="bfloat16", cuda_graphs=not a.eager)
+    worker = WorkerConfig(model=a.model, device="cuda", dtype="bfloat16", cuda_graphs=not a.eager,
+                          kv_dtype=a.kv_dtype)
     runner = ModelRunner(RunnerConfig(worker, num_blocks=need, max_num_seqs=max(batches),
                                       max_model_len=a.context + a.steps + 12, max_num_batched_tokens=4096))
     print(f"{'batch':>5} {'step ms':>8} {'forward':>8} {'sample':>8} {'rest':>8} {'GPU busy':>9}")

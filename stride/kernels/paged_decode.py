@@ -60,6 +60,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    STACK_P: tl.constexpr = False, HALF: tl.constexpr = 16,
 ):
     pdl_wait(PDL)  # first: every program waits, even one with nothing to do
     seq = tl.program_id(0)
@@ -72,7 +73,11 @@ def _decode_kernel(
     end = ctx
     if SPLIT:
         end = tl.minimum(start + partition, ctx)
-    offs_g = tl.arange(0, BLOCK_G)
+    # With STACK_P the group's query rows come twice, the second copy (rows HALF..) carrying P's low part into the
+    # same P@V dot as the first copy's high part (pv's split at the cost of one dot: the rows are there anyway, an MMA
+    # has 16); the two halves of acc are summed at the end. HALF: BLOCK_G // 2 with STACK_P, else BLOCK_G.
+    offs_r = tl.arange(0, BLOCK_G)
+    offs_g = offs_r % HALF
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
@@ -101,8 +106,20 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
+        if STACK_P:
+            hi = p.to(v.dtype)
+            p_in = tl.where((offs_r >= HALF)[:, None], (p - hi.to(tl.float32)).to(v.dtype), hi)
+            acc = acc * alpha[:, None] + dot(p_in, v, DOT_PRECISION, DOT_UPCAST)
+        else:
+            acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
+    if STACK_P:  # the halves' m and l are equal (same scores): keep one; their accumulators add
+        acc = tl.sum(tl.reshape(acc, [2, HALF, BLOCK_D]), axis=0)
+        m_i = tl.max(tl.reshape(m_i, [2, HALF]), axis=0)
+        l_i = tl.max(tl.reshape(l_i, [2, HALF]), axis=0)
+        offs_g = tl.arange(0, HALF)
+        heads = kv_head * GROUP + offs_g
+        g_mask = offs_g < GROUP
     if SPLIT:
         # Unnormalised partials, laid out (num_seqs, num_heads, num_splits[, head_dim]).
         row = (seq * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
@@ -191,6 +208,9 @@ def paged_decode(
     else:
         part_acc = part_m = part_l = out
     block_d = max(16, next_pow2(head_dim))
+    block_g = max(16, next_pow2(group))
+    # P's two parts in one dot where the group's rows fit twice in a 16-row MMA (up to 8 query heads a KV head).
+    stack_p = split_p(q.dtype) and 2 * next_pow2(group) <= 16
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, context_lens,
         scale * LOG2E, num_splits, cfg.partition if split else max_context_len,
@@ -198,8 +218,10 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=split_p(q.dtype), KV_F16=widen_to_f16(q, k_cache),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=split_p(q.dtype), STACK_P=stack_p,
+        HALF=block_g // 2 if stack_p else block_g,
+        KV_F16=widen_to_f16(q, k_cache),
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if split:

@@ -183,18 +183,20 @@ def _float32_copy(p):
 
 
 ROUNDING_CASES = {
-    # Several hundred keys, a few heads: P's rounding error is then a visible share of an output ulp.
-    "decode": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=0))),
-    "decode-split": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128))),
-    "extend": ([400, 130], [64, 130], lambda p: _extend(p, ExtendConfig(block_m=32, block_n=64))),
+    # Several hundred keys, a few heads: P's rounding error is then a visible share of an output ulp. Decode with
+    # 4 query heads a KV head carries P's two parts in one dot (the group's rows twice); with 16, in two dots.
+    "decode": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=0)), (8, 2)),
+    "decode-split": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128)), (8, 2)),
+    "decode-group16": ([700, 333], [1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128)), (16, 1)),
+    "extend": ([400, 130], [64, 130], lambda p: _extend(p, ExtendConfig(block_m=32, block_n=64)), (8, 2)),
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(ROUNDING_CASES))
 def test_16bit_kernels_round_once(case, dtype, monkeypatch):
-    context_lens, query_lens, run = ROUNDING_CASES[case]
-    p = _problem(context_lens, query_lens, heads=8, kv_heads=2, head_dim=64, dtype=dtype, seed=1)
+    context_lens, query_lens, run, (heads, kv_heads) = ROUNDING_CASES[case]
+    p = _problem(context_lens, query_lens, heads=heads, kv_heads=kv_heads, head_dim=64, dtype=dtype, seed=1)
     ref32 = paged_extend_reference(**{k: v for k, v in _float32_copy(p).items() if k in _REF_ARGS})
     v_absmax = p["v_cache"].float().abs().max().item()
     ok, why = rounded_once(run(p), ref32, v_absmax)
