@@ -22,10 +22,10 @@ the output's rounding on a good share of elements (and, through a deep network, 
 P.to(v.dtype) and lo = (P - hi).to(v.dtype), and the kernels accumulate dot(hi, v) + dot(lo, v) in float32: P to
 about 2^-17 relative, still on the tensor cores. Cost: one more (rows x keys x head_dim) MMA beside the two of q.k
 and P@V, i.e. 1.5x the attention MMA work. Decode is bound by reading K/V, which does not change, and on an H200 it
-kept its bandwidth alone (docs/perf-log.md, second pass), but the extra MMA cost it 4-6% of its time (H200, perf-log 2026-12-04), so it
-now carries lo under hi in the same dot where a group's query rows fit twice in the 16-row MMA they pad anyway
-(``paged_decode``'s STACK_P); the extend (prefill) kernel pays it: 25-33% longer than one P@V on an H200
-(docs/perf-log.md, fourth pass). Float32 caches need none of this (P is never rounded). ROUND_P_BEFORE_PV
+kept its bandwidth alone (docs/perf-log.md, second pass), but the extra MMA cost it 4-6% of its time (H200,
+perf-log 2026-12-04), so it carries lo under hi in the same dot where a group's query rows fit twice in the 16-row
+MMA they pad anyway (``paged_decode``'s STACK_P); the extend (prefill) kernel pays it: 25-33% longer than one P@V on
+an H200 (docs/perf-log.md, fourth pass). Float32 caches need none of this (P is never rounded). ROUND_P_BEFORE_PV
 switches the split off, for the tests' negative control and the benchmark's price of the split. """
 
 from __future__ import annotations
