@@ -184,9 +184,10 @@ def _float32_copy(p):
 
 ROUNDING_CASES = {
     # Several hundred keys, a few heads: P's rounding error is then a visible share of an output ulp. Decode with
-    # 4 query heads a KV head carries P's two parts in one dot (the group's rows twice); with 16, in two dots.
+    # up to 8 query heads a KV head carries P's two parts in one dot (the group's rows twice); with 16, in two dots.
     "decode": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=0)), (8, 2)),
     "decode-split": ([700, 333, 512], [1, 1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128)), (8, 2)),
+    "decode-group8": ([700, 333], [1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=0)), (16, 2)),
     "decode-group16": ([700, 333], [1, 1], lambda p: _decode(p, DecodeConfig(block_n=32, partition=128)), (16, 1)),
     "extend": ([400, 130], [64, 130], lambda p: _extend(p, ExtendConfig(block_m=32, block_n=64)), (8, 2)),
 }
