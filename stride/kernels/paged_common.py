@@ -51,14 +51,27 @@ against. Read at launch."""
 
 
 @triton.jit
+def _low_part(p, hi):
+    """What P (float32) keeps past its high part ``hi`` (P in V's dtype), itself in that dtype."""
+    return (p - hi.to(tl.float32)).to(hi.dtype)
+
+
+@triton.jit
 def pv(p, v, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """P (float32) @ V, accumulated in float32; with SPLIT_P, P is carried as hi + lo in V's dtype."""
     hi = p.to(v.dtype)
     out = dot(hi, v, DOT_PRECISION, DOT_UPCAST)
     if SPLIT_P:
-        lo = (p - hi.to(tl.float32)).to(v.dtype)
-        out += dot(lo, v, DOT_PRECISION, DOT_UPCAST)
+        out += dot(_low_part(p, hi), v, DOT_PRECISION, DOT_UPCAST)
     return out
+
+
+@triton.jit
+def pv_stacked(p, v, lo_rows, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """:func:`pv`'s split in one dot, for P whose rows come twice (the same scores): the rows where ``lo_rows`` is
+    set carry P's low part, the others its high part; the caller adds the two halves of the result."""
+    hi = p.to(v.dtype)
+    return dot(tl.where(lo_rows[:, None], _low_part(p, hi), hi), v, DOT_PRECISION, DOT_UPCAST)
 
 
 def widen_to_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from stride.kernels.common import dot, dot_args, pdl_args, pdl_wait
-from stride.kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, split_p, widen_to_f16
+from stride.kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, pv_stacked, split_p, widen_to_f16
 from stride.kernels.paged_extend import paged_extend_reference
 from stride.kernels.sizes import next_pow2
 
@@ -107,9 +107,7 @@ def _decode_kernel(
         v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if STACK_P:
-            hi = p.to(v.dtype)
-            p_in = tl.where((offs_r >= HALF)[:, None], (p - hi.to(tl.float32)).to(v.dtype), hi)
-            acc = acc * alpha[:, None] + dot(p_in, v, DOT_PRECISION, DOT_UPCAST)
+            acc = acc * alpha[:, None] + pv_stacked(p, v, offs_r >= HALF, DOT_PRECISION, DOT_UPCAST)
         else:
             acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
