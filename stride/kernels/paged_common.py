@@ -3,7 +3,10 @@ and a reduction) and the extend kernel (:mod:`stride.kernels.paged_extend`) shar
 contract and the P@V step that keeps it, the launchers' checks.
 
 Cache layout (per layer, shared with the worker):
-    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), head_dim contiguous.
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), head_dim contiguous; except that an 8-bit
+    V cache is stored keys-inner (:func:`is_keys_inner`; the worker's rule and why: ``stride/workers/kv_cache.py``):
+    the same logical shape over storage ordered (num_blocks, num_kv_heads, head_dim, block_size), a block's keys
+    contiguous for each value element. The kernels take either by its strides.
     block_tables: int32 (num_seqs, max_blocks_per_seq); entry j is the physical block holding tokens
     [j*block_size, (j+1)*block_size) of that sequence; -1 marks unused entries (never read).
 Decode: one query (num_heads, head_dim) per sequence attends to its first context_len cached tokens.
@@ -74,6 +77,39 @@ def pv_stacked(p, v, lo_rows, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.conste
     return dot(tl.where(lo_rows[:, None], _low_part(p, hi), hi), v, DOT_PRECISION, DOT_UPCAST)
 
 
+def is_keys_inner(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` (blocks, block_size, kv_heads, head_dim) is stored keys-inner: a block of one head packed as
+    (head_dim, block_size)."""
+    _, page, h, d = cache.shape
+    return page > 1 and cache.stride(1) == 1 and cache.stride(3) == page and cache.stride(2) == d * page
+
+
+@triton.jit
+def load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
+                      PAGE: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Keys ``t0 .. t0 + BLOCK_N`` of one KV head from a keys-inner V cache, as a (BLOCK_N, BLOCK_D) tile; ``t0`` a
+    multiple of BLOCK_N. Read as BLOCK_N // SUB runs of SUB keys (SUB = min(PAGE, BLOCK_N), both powers of two), each
+    within one page, so the loads go along the keys, up to 16 bytes at a time. A run is read whole where it starts
+    before ``end``: the keys past ``end`` in it are other tokens' or never written, finite either way (8-bit writers
+    store no NaN or infinity: ``stride/kernels/rope.py``, ``stride/workers/attention.py``), and the caller's P is 0
+    there, so they add exact zeros."""
+    starts = t0 + tl.arange(0, BLOCK_N // SUB) * SUB
+    run = starts < end
+    base = tl.load(bt_row + starts // PAGE, mask=run, other=0).to(tl.int64) * stride_vb + kv_head * stride_vh
+    if SUB < PAGE:
+        base += starts % PAGE
+    offs_k = tl.arange(0, SUB)
+    v = tl.load(v_ptr + base[:, None, None] + offs_k[None, :, None] + offs_d[None, None, :] * PAGE,
+                mask=run[:, None, None] & d_mask[None, None, :], other=0.0)
+    return tl.reshape(v, [BLOCK_N, BLOCK_D])
+
+
+def v_sub(v_cache: torch.Tensor, block_n: int) -> int:
+    """The SUB of :func:`load_v_keys_inner` for a keys-inner ``v_cache`` and a key tile of ``block_n``; 0 for a
+    cache with head_dim contiguous."""
+    return min(v_cache.shape[1], block_n) if is_keys_inner(v_cache) else 0
+
+
 def widen_to_f16(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the kernels attend over an 8-bit cache in fp16: a 16-bit q with :data:`FP8_CACHE` caches. Every
     float8_e4m3fn value is an fp16 one, and the widening is one instruction on Hopper where widening to bf16 is
@@ -93,7 +129,10 @@ def check_cache(
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches: (blocks, block, kv_heads, dim)"
     assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache must share a dtype"
     assert k_cache.dtype in (q.dtype, FP8_CACHE), "the caches must be in q's dtype or float8_e4m3fn"
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "caches must be contiguous in head_dim"
+    assert k_cache.stride(3) == 1, "k_cache must be contiguous in head_dim"
+    page = k_cache.shape[1]
+    assert v_cache.stride(3) == 1 or (is_keys_inner(v_cache) and page & (page - 1) == 0), (
+        "v_cache must be contiguous in head_dim, or keys-inner with a power-of-two block size")
     assert q.stride(-1) == 1, "q must be contiguous in head_dim"
     num_heads, num_kv_heads = q.shape[-2], k_cache.shape[2]
     assert q.shape[-1] == k_cache.shape[3], f"head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[3]}"

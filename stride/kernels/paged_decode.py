@@ -11,7 +11,19 @@ import triton
 import triton.language as tl
 
 from stride.kernels.common import dot, dot_args, pdl_args, pdl_wait
-from stride.kernels.paged_common import FP8_CACHE, LOG2E, check_cache, out_like, pv, pv_stacked, split_p, widen_to_f16
+from stride.kernels.paged_common import (
+    FP8_CACHE,
+    LOG2E,
+    check_cache,
+    is_keys_inner,
+    load_v_keys_inner,
+    out_like,
+    pv,
+    pv_stacked,
+    split_p,
+    v_sub,
+    widen_to_f16,
+)
 from stride.kernels.paged_extend import paged_extend_reference
 from stride.kernels.sizes import next_pow2
 
@@ -28,16 +40,19 @@ class DecodeConfig:
 
 def default_decode_config(
     num_seqs: int, num_kv_heads: int, max_context_len: int, cache_dtype: torch.dtype = torch.bfloat16,
+    v_keys_inner: bool = False,
 ) -> DecodeConfig:
     # 128 keys a step: alone on an H200 (perf-log, 2026-12-03) 0.97-0.81x the time of 64 at batch 256 x 1.5k, 64 x 2k
-    # and 32 x 8k over bf16 caches, 0.72x over 8-bit ones (with a third stage, which 16-bit tiles do not need). Split
+    # and 32 x 8k over bf16 caches, 0.72x over 8-bit ones with head_dim-contiguous V (with a third stage, which 16-bit
+    # tiles do not need). Over a keys-inner 8-bit V (the worker's) two stages again: in an 8B step at 256 x 1.5k /
+    # 64 x 1.5k 7.83 / 2.04 ms of decode kernel against 8.85-8.93 / 2.81 with three (perf-log, 2026-12-04). Split
     # until there are about four programs per multiprocessor of an H200 (132).
     partition = 0
     if num_seqs * num_kv_heads < 512:
         partition = max(256, next_pow2(max_context_len * num_seqs * num_kv_heads // 512))
         if partition >= max_context_len:
             partition = 0
-    stages = 3 if cache_dtype == FP8_CACHE else 2
+    stages = 3 if cache_dtype == FP8_CACHE and not v_keys_inner else 2
     return DecodeConfig(block_n=128, partition=partition, num_warps=4, num_stages=stages)
 
 
@@ -60,7 +75,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False, PDL: tl.constexpr = False,
-    STACK_P: tl.constexpr = False, HALF: tl.constexpr = 16,
+    STACK_P: tl.constexpr = False, HALF: tl.constexpr = 16, V_SUB: tl.constexpr = 0,
 ):
     pdl_wait(PDL)  # first: every program waits, even one with nothing to do
     seq = tl.program_id(0)
@@ -104,8 +119,12 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if V_SUB:  # a keys-inner V (stride/workers/kv_cache.py: v_keys_inner), read along its keys
+            v = load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
+                                  PAGE, V_SUB, BLOCK_N, BLOCK_D).to(q.dtype)
+        else:
+            v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
+            v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         if STACK_P:
             acc = acc * alpha[:, None] + pv_stacked(p, v, offs_r >= HALF, DOT_PRECISION, DOT_UPCAST)
         else:
@@ -195,9 +214,11 @@ def paged_decode(
     if max_context_len is None:
         max_context_len = int(context_lens.max().item())
     assert max_context_len <= block_tables.shape[1] * page, "context longer than the block table"
-    cfg = config or default_decode_config(num_seqs, num_kv_heads, max_context_len, k_cache.dtype)
+    cfg = config or default_decode_config(num_seqs, num_kv_heads, max_context_len, k_cache.dtype,
+                                          is_keys_inner(v_cache))
     group = num_heads // num_kv_heads
     split = 0 < cfg.partition < max_context_len
+    assert not split or cfg.partition % cfg.block_n == 0, "a partition must be whole key tiles"
     num_splits = triton.cdiv(max_context_len, cfg.partition) if split else 1
     if split:
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -218,7 +239,7 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=cfg.block_n, SPLIT=split, SPLIT_P=split_p(q.dtype), STACK_P=stack_p,
-        HALF=block_g // 2 if stack_p else block_g,
+        HALF=block_g // 2 if stack_p else block_g, V_SUB=v_sub(v_cache, cfg.block_n),
         KV_F16=widen_to_f16(q, k_cache),
         **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )

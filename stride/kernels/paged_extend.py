@@ -10,7 +10,17 @@ import triton
 import triton.language as tl
 
 from stride.kernels.common import dot, dot_args
-from stride.kernels.paged_common import LOG2E, check_cache, gather_kv, out_like, pv, split_p, widen_to_f16
+from stride.kernels.paged_common import (
+    LOG2E,
+    check_cache,
+    gather_kv,
+    load_v_keys_inner,
+    out_like,
+    pv,
+    split_p,
+    v_sub,
+    widen_to_f16,
+)
 from stride.kernels.sizes import next_pow2
 
 
@@ -34,7 +44,7 @@ def _extend_kernel(
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_F16: tl.constexpr = False, V_SUB: tl.constexpr = 0,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -76,8 +86,12 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if V_SUB:  # a keys-inner V (stride/workers/kv_cache.py: v_keys_inner), read along its keys
+            v = load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
+                                  PAGE, V_SUB, BLOCK_N, BLOCK_D).to(q.dtype)
+        else:
+            v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
+            v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -123,7 +137,8 @@ def paged_extend(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_P=split_p(q.dtype),
-        KV_F16=widen_to_f16(q, k_cache), **dot_args(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_F16=widen_to_f16(q, k_cache), V_SUB=v_sub(v_cache, cfg.block_n), **dot_args(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

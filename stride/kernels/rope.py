@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from stride.kernels.common import check_float, pdl_args, pdl_wait
-from stride.kernels.paged_common import FP8_CACHE
+from stride.kernels.paged_common import FP8_CACHE, is_keys_inner
 from stride.kernels.sizes import next_pow2
 
 
@@ -80,7 +80,10 @@ def _rounded(x, dtype: tl.constexpr):
 def _fp8_rounded(x):
     """float32 ``x`` on float8_e4m3fn's grid, kept in float32: nearest-even, saturated at +-448 (what the reference
     backend's cast gives). Rounded here, so that the cast that stores it is exact: Triton's interpreter rounds some
-    values to the wrong neighbour, and the CPU tests check the cache bit for bit."""
+    values to the wrong neighbour, and the CPU tests check the cache bit for bit. NaN is stored as 0, as the reference
+    backend stores it: an 8-bit cache holds finite values only, which its keys-inner V reads rely on
+    (``paged_common.load_v_keys_inner``)."""
+    x = tl.where(x == x, x, 0.0)
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = x.to(tl.uint32, bitcast=True)
     # Normal range (|x| >= 2^-6): 3 mantissa bits kept, nearest-even, by bit arithmetic.
@@ -105,7 +108,7 @@ def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     num_q_heads, num_k_heads, half,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin, second_half,
-    stride_vt, stride_vh, stride_cs, stride_ch,
+    stride_vt, stride_vh, stride_cs, stride_ch, page, stride_cvb, stride_cvs, stride_cvh, stride_cvd,
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BY_POSITION: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
     CACHE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
@@ -163,12 +166,14 @@ def _rope_kernel(
             heads = h0 + offs_h
             mask = (heads[:, None] < num_k_heads) & d_mask[None, :]
             vptrs = v_ptr + tok * stride_vt + heads[:, None] * stride_vh + offs_d[None, :]
-            cptrs = vc_ptr + slot * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+            # By the V cache's own strides: it may be keys-inner (stride/workers/kv_cache.py: v_keys_inner).
+            cptrs = (vc_ptr + (slot // page) * stride_cvb + (slot % page) * stride_cvs + heads[:, None] * stride_cvh
+                     + offs_d[None, :] * stride_cvd)
             cache_dtype = vc_ptr.dtype.element_ty
             v1 = tl.load(vptrs, mask=mask, other=0.0)
             v2 = tl.load(vptrs + half, mask=mask, other=0.0)
             tl.store(cptrs, _to_cache(v1.to(tl.float32), v1.dtype, cache_dtype), mask=mask)
-            tl.store(cptrs + half, _to_cache(v2.to(tl.float32), v1.dtype, cache_dtype), mask=mask)
+            tl.store(cptrs + half * stride_cvd, _to_cache(v2.to(tl.float32), v1.dtype, cache_dtype), mask=mask)
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -199,7 +204,8 @@ def _check_kv_write(k: torch.Tensor, kv: KVWrite) -> None:
     for name, c in (("k_cache", kv.k_cache), ("v_cache", kv.v_cache)):
         assert c.dim() == 4 and c.shape[2:] == k.shape[1:], f"{name} must be (blocks, block_size, kv_heads, head_dim)"
         assert c.dtype in (k.dtype, FP8_CACHE), f"{name} must be in k's dtype or float8_e4m3fn"
-        assert c.is_contiguous(), f"{name} must be contiguous"
+    assert kv.k_cache.is_contiguous(), "k_cache must be contiguous"
+    assert kv.v_cache.is_contiguous() or is_keys_inner(kv.v_cache), "v_cache must be contiguous or keys-inner"
     assert kv.v_cache.shape == kv.k_cache.shape, "k_cache and v_cache must have one shape"
     assert kv.slots.shape == (k.shape[0],) and kv.slots.dtype in (torch.int32, torch.int64), "one slot per token"
 
@@ -215,9 +221,10 @@ def _launch(
     # The cache operands (v, the two caches, the slots) and their strides; q stands in for unused pointers.
     if kv is not None:
         cache_ptrs = (kv.v, kv.k_cache, kv.v_cache, kv.slots)
-        cache_strides = (kv.v.stride(0), kv.v.stride(1), kv.k_cache.stride(1), kv.k_cache.stride(2))
+        cache_strides = (kv.v.stride(0), kv.v.stride(1), kv.k_cache.stride(1), kv.k_cache.stride(2),
+                         kv.v_cache.shape[1], *kv.v_cache.stride())
     else:
-        cache_ptrs, cache_strides = (q, q, q, q), (0, 0, 0, 0)
+        cache_ptrs, cache_strides = (q, q, q, q), (0, 0, 0, 0, 1, 0, 0, 0, 0)
     # No fused multiply-adds: a float32 run must round each product as the unfused PyTorch ops do.
     _rope_kernel[(num_tokens,)](
         q, k, positions if positions is not None else q, cos, sin, *cache_ptrs, num_q_heads, k.shape[1],

@@ -167,9 +167,11 @@ FP8_KV_MAX = 448.0
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` stores it: a cast, saturated at +-448 for :data:`FP8_KV` (which has no
-    infinity; the Triton backend's fused write rounds the same way, ``stride/kernels/rope.py``)."""
+    infinity) and NaN stored as 0, so that an 8-bit cache holds finite values only (its keys-inner V is read whole
+    pages at a time: ``stride/kernels/paged_common.py``); the Triton backend's fused write does the same,
+    ``stride/kernels/rope.py``."""
     if cache_dtype == FP8_KV:
-        x = x.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+        x = torch.nan_to_num(x, nan=0.0).clamp(-FP8_KV_MAX, FP8_KV_MAX)
     return x.to(cache_dtype)
 
 
@@ -191,7 +193,11 @@ class TorchPagedAttention:
     ) -> None:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = to_cache(k, k_cache.dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = to_cache(v, v_cache.dtype)
+        if v_cache.is_contiguous():
+            v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = to_cache(v, v_cache.dtype)
+        else:  # keys-inner (an 8-bit cache: stride/workers/kv_cache.py)
+            slots, page = meta.slot_mapping, v_cache.shape[1]
+            v_cache[slots // page, slots % page] = to_cache(v, v_cache.dtype)
 
     def attend(
         self,
@@ -266,7 +272,10 @@ def _gather(
     # index_select on the caches' rows, not advanced indexing: 8-10x faster on the CPU (16 rows, 100 keys).
     n, ids = blocks.shape[0], blocks.reshape(-1)
     k = k_cache.view(k_cache.shape[0], -1).index_select(0, ids).view(n, -1, *k_cache.shape[2:])[:, :length]
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])[:, :length]
+    if v_cache.is_contiguous():
+        v = v_cache.view(v_cache.shape[0], -1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])[:, :length]
+    else:  # keys-inner (an 8-bit cache): the blocks as they are stored, then in the keys' order
+        v = v_cache.index_select(0, ids).reshape(n, -1, *v_cache.shape[2:])[:, :length]
     return k, v
 
 

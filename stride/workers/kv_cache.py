@@ -1,7 +1,9 @@
 """The paged KV cache tensors of one rank, and how many blocks fit in the memory left after the weights.
 
-Layout (shared with the Triton kernels in ``stride/kernels/paged_decode.py``): per layer, one K and one V
-tensor of shape ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous, head_dim innermost.
+Layout (shared with the Triton kernels, ``stride/kernels/paged_common.py``): per layer, one K and one V
+tensor of shape ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous, head_dim innermost; an 8-bit V
+(``--kv-dtype fp8``) is that shape viewed over storage ordered ``(num_blocks, num_kv_heads, head_dim, block_size)``,
+keys innermost (:func:`v_keys_inner` says why), which every reader and writer takes by its strides.
 Token ``j`` of a sequence lives at ``[block_table[j // block_size], j % block_size]``. Block ids are the
 scheduler's physical block ids (``0 .. num_blocks - 1``); the worker never allocates or frees blocks,
 it only writes where the step's block tables say.
@@ -30,6 +32,17 @@ def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {name!r}")
 
 
+def v_keys_inner(dtype: torch.dtype, block_size: int) -> bool:
+    """Whether a V cache of ``dtype`` and ``block_size`` is stored keys-inner (the one rule; the kernels and the
+    reference backend read and write any cache by its strides). 8-bit ones are: P@V's inner axis is the keys, and the
+    decode kernel moves a 16-bit V tile with head_dim contiguous into the MMA through ``ldmatrix.trans``, which has no
+    8-bit form, so an 8-bit one went from shared memory a byte at a time (the kernel at 54% of its bytes' roofline on
+    an H200, docs/perf-log.md); keys contiguous, a page of one head's values comes in 16-byte rows: an 8B step's decode
+    kernel at 256 x 1.5k 12.0 -> 7.8 ms (2026-12-04). Powers of two only, so that a kernel's key tile holds whole pages
+    or a page whole tiles."""
+    return dtype == FP8_KV and block_size > 1 and block_size & (block_size - 1) == 0
+
+
 class KVCache:
     """Every layer's K and V block pool on one device."""
 
@@ -48,7 +61,11 @@ class KVCache:
         shape = (num_blocks, block_size, max(1, args.num_kv_heads // tp_size), args.head_dim)
         # Zeros, not empty: a masked-out read of a never-written slot must not meet NaN (0 * NaN = NaN).
         self.k_caches = [_zeros(shape, device, dtype) for _ in range(args.num_layers)]
-        self.v_caches = [_zeros(shape, device, dtype) for _ in range(args.num_layers)]
+        if v_keys_inner(dtype, block_size):
+            b, page, h, d = shape
+            self.v_caches = [_zeros((b, h, d, page), device, dtype).permute(0, 3, 1, 2) for _ in range(args.num_layers)]
+        else:
+            self.v_caches = [_zeros(shape, device, dtype) for _ in range(args.num_layers)]
 
     @property
     def nbytes(self) -> int:

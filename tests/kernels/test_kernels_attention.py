@@ -92,18 +92,32 @@ def test_extend_matches_reference_variable_lengths(dtype):
     assert _max_err(out, ref) <= TOL[dtype]
 
 
+def _keys_inner(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values stored keys-inner (the worker's 8-bit V layout, ``stride/workers/kv_cache.py``)."""
+    out = cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert paged_common.is_keys_inner(out)
+    torch.testing.assert_close(out.float(), cache.float(), rtol=0, atol=0, equal_nan=True)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_attend_over_fp8_caches(dtype):
+@pytest.mark.parametrize("v_layout,block_size", [("head_dim", 16), ("keys_inner", 16), ("keys_inner", 4),
+                                                 ("keys_inner", 64)])
+def test_kernels_attend_over_fp8_caches(dtype, v_layout, block_size):
     """float8_e4m3fn caches (``--kv-dtype fp8``): decode (split and not) and extend widen each value exactly and
-    agree with the reference over the same 8-bit caches, to the 16-bit caches' tolerance."""
-    p = _problem([1, 15, 17, 123, 5, 200], [1, 1, 1, 40, 1, 3], dtype=dtype, seed=3)
-    k8, v8 = p["k_cache"].to(paged_common.FP8_CACHE), p["v_cache"].to(paged_common.FP8_CACHE)
+    agree with the reference over the same 8-bit caches, to the 16-bit caches' tolerance; with V head_dim-contiguous
+    or keys-inner (the worker's layout for it), whose tiles hold several pages (blocks of 4 and 16) or part of one
+    (64)."""
+    lay = _keys_inner if v_layout == "keys_inner" else (lambda c: c)
+    p = _problem([1, 15, 17, 123, 5, 200], [1, 1, 1, 40, 1, 3], dtype=dtype, seed=3, block_size=block_size)
+    k8, v8 = p["k_cache"].to(paged_common.FP8_CACHE), lay(p["v_cache"].to(paged_common.FP8_CACHE))
     ref = paged_extend_reference(p["q"], k8, v8, p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"])
-    out = paged_extend(p["q"], k8, v8, p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"],
-                       max_query_len=40, config=ExtendConfig(block_m=16, block_n=32))
-    assert _max_err(out, ref) <= TOL[dtype]
-    d = _problem([1, 15, 17, 123, 5, 200], [1] * 6, dtype=dtype, seed=4)
-    k8, v8 = d["k_cache"].to(paged_common.FP8_CACHE), d["v_cache"].to(paged_common.FP8_CACHE)
+    for ecfg in (ExtendConfig(block_m=16, block_n=32), ExtendConfig(block_m=16, block_n=16)):
+        out = paged_extend(p["q"], k8, v8, p["block_tables"], p["cu_query_lens"], p["context_lens"], p["scale"],
+                           max_query_len=40, config=ecfg)
+        assert _max_err(out, ref) <= TOL[dtype]
+    d = _problem([1, 15, 17, 123, 5, 200], [1] * 6, dtype=dtype, seed=4, block_size=block_size)
+    k8, v8 = d["k_cache"].to(paged_common.FP8_CACHE), lay(d["v_cache"].to(paged_common.FP8_CACHE))
     ref = paged_decode_reference(d["q"], k8, v8, d["block_tables"], d["context_lens"], d["scale"])
     for cfg in DECODE_CONFIGS:
         out = paged_decode(d["q"], k8, v8, d["block_tables"], d["context_lens"], d["scale"], config=cfg)
@@ -112,6 +126,27 @@ def test_kernels_attend_over_fp8_caches(dtype):
     # see a kernel that read them as something else (or was handed the 16-bit caches).
     wide = paged_decode_reference(d["q"], d["k_cache"], d["v_cache"], d["block_tables"], d["context_lens"], d["scale"])
     assert _max_err(wide, ref) > 2 * TOL[dtype]  # 0.078 in bf16 on the H200's draws, more on the CPU's
+
+
+def test_keys_inner_v_is_read_by_whole_pages():
+    """A keys-inner V is read a page (or a key tile) at a time, the slots past the context in the last page included,
+    which is why 8-bit writers store no NaN (``tests/workers/test_worker_kernel_wiring.py``): a finite value there adds
+    an exact zero; a NaN, which only a cache written otherwise could hold, reaches the output. With head_dim
+    contiguous the kernels read key by key, and the same NaN does nothing. (bf16 caches: the layout is the same for
+    any dtype, and Triton's interpreter widens an 8-bit NaN to a number.)"""
+    d = _problem([13, 40], [1, 1], dtype=torch.bfloat16, seed=6)
+    k, v = d["k_cache"], d["v_cache"]
+    block = int(d["block_tables"][0, 0])  # sequence 0's one block: slots 13..15 are past its context
+    v[block, 14] = 448.0
+    ref = paged_decode_reference(d["q"], k, v, d["block_tables"], d["context_lens"], d["scale"])
+    cfg = DecodeConfig(block_n=32, partition=0)
+    assert _max_err(paged_decode(d["q"], k, _keys_inner(v), d["block_tables"], d["context_lens"], d["scale"],
+                                 config=cfg), ref) <= TOL[torch.bfloat16]
+    v[block, 14] = float("nan")
+    out = paged_decode(d["q"], k, _keys_inner(v), d["block_tables"], d["context_lens"], d["scale"], config=cfg)
+    assert out[0].float().isnan().all() and not out[1].float().isnan().any()
+    out = paged_decode(d["q"], k, v, d["block_tables"], d["context_lens"], d["scale"], config=cfg)
+    assert _max_err(out, ref) <= TOL[torch.bfloat16]
 
 
 def test_chunked_extend_equals_one_shot():

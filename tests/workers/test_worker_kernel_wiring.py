@@ -20,6 +20,7 @@ import stride.workers.attention_triton as attention_triton
 from stride.kernels import autotune as at
 from stride.kernels import autotune_specs as specs
 from stride.kernels import rope as rope_kernels
+from stride.kernels.paged_common import is_keys_inner
 from stride.kernels.paged_decode import DecodeConfig
 from stride.kernels.paged_extend import ExtendConfig
 from stride.kernels.rmsnorm import RMSNormConfig
@@ -79,12 +80,15 @@ def test_fused_rope_is_bit_exact_with_the_torch_path(dtype: torch.dtype) -> None
         torch.testing.assert_close(q2[:6].float(), want_q[:6].float(), atol=0.1, rtol=0.02)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
-                                               (torch.bfloat16, FP8_KV), (torch.float32, FP8_KV)])
-def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> None:
+@pytest.mark.parametrize("dtype,cache_dtype,keys_inner", [
+    (torch.float32, None, False), (torch.bfloat16, None, False), (torch.float16, None, False),
+    (torch.bfloat16, FP8_KV, False), (torch.bfloat16, FP8_KV, True), (torch.float32, FP8_KV, True)])
+def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtype: torch.dtype | None,
+                                                  keys_inner: bool) -> None:
     """The fused path's one launch also writes the cache: q and k as the torch path rotates them, and both caches
     as the reference backend's write_kv leaves them (the rotated k and v at each token's slot, every other slot
-    as it was), in the run dtype or in float8_e4m3fn."""
+    as it was), in the run dtype or in float8_e4m3fn, V head_dim-contiguous or keys-inner (the worker's 8-bit
+    layout)."""
     cache_dtype = cache_dtype or dtype
     args = ModelArgs(vocab_size=8, hidden_size=576, intermediate_size=8, num_layers=1, num_heads=9,
                      num_kv_heads=3, head_dim=64, rope_theta=100000.0)
@@ -95,12 +99,16 @@ def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtyp
     q, k, v = qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]
     before_k = torch.full((8, 4, 3, 64), 7.0, dtype=cache_dtype, device=DEVICE)
     before_v = torch.full_like(before_k, -7.0)
+    if keys_inner:
+        before_v = before_v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        assert is_keys_inner(before_v)
     want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     want_kc, want_vc = before_k.clone(), before_v.clone()
     TorchPagedAttention().write_kv(want_k, v, want_kc, want_vc, SimpleNamespace(slot_mapping=slots))
     rope = layers.Rope()
     rope.fused = True
     k_cache, v_cache = before_k.clone(), before_v.clone()
+    assert is_keys_inner(v_cache) == is_keys_inner(want_vc) == keys_inner  # clone keeps the strides
     rope.rotate_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert _bits(k_cache) == _bits(want_kc) and _bits(v_cache) == _bits(want_vc)
@@ -113,20 +121,22 @@ def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtyp
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    """A tensor's bytes (torch.equal has no float8 kernel on every device)."""
+    """A tensor's bytes in its logical order (torch.equal has no float8 kernel on every device)."""
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def test_fused_rope_rounds_to_fp8_as_the_reference_does() -> None:
     """Values written to a float8_e4m3fn cache by the fused launch: bit for bit the reference backend's cast
-    (nearest-even, subnormals, saturation at +-448), over values that exercise each: every float8 value, the midpoints
-    between neighbours (ties), points near them, tiny and huge values."""
+    (nearest-even, subnormals, saturation at +-448, NaN as 0: an 8-bit cache holds finite values only), over values
+    that exercise each: every float8 value, the midpoints between neighbours (ties), points near them, tiny and huge
+    values, infinities and NaN."""
     grid = torch.arange(256, dtype=torch.uint8).view(FP8_KV).float()
     grid = grid[~grid.isnan()].unique()
     mids = (grid[1:] + grid[:-1]) / 2
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(4096, generator=gen) * torch.pow(10.0, torch.empty(4096).uniform_(-4, 3, generator=gen))
-    values = torch.cat([grid, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), wide, torch.tensor([500.0, -1e6])])
+    odd = torch.tensor([500.0, -1e6, float("inf"), float("-inf"), float("nan")])  # NaN last
+    values = torch.cat([grid, mids, mids * (1 + 2**-12), mids * (1 - 2**-12), wide, odd])
     n = -(-values.numel() // 64)
     v = torch.zeros(n * 64).index_copy_(0, torch.arange(values.numel()), values).view(n, 1, 64)
     slots = torch.arange(n, device=DEVICE)
@@ -142,6 +152,9 @@ def test_fused_rope_rounds_to_fp8_as_the_reference_does() -> None:
     truncated_bits = truncated.view(torch.int32) & ~((1 << 20) - 1)
     assert _bits(truncated_bits.view(torch.float32).to(FP8_KV)) != _bits(want)
     assert (want.float().abs() == 448).sum() >= 3 and ((want.float() != 0) & (want.float().abs() < 2**-6)).any()
+    # Nothing stored is NaN (the NaN input is stored as 0), though a plain cast keeps it.
+    assert not want.float().isnan().any() and want.view(-1)[values.numel() - 1].float() == 0
+    assert torch.tensor([float("nan")]).to(FP8_KV).float().isnan().all()
 
 
 def _interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 from worker_helpers import Steps, count_calls, cpu_triton, gpu, make_checkpoint, make_runner
 
 from stride.config import WorkerConfig
+from stride.kernels.paged_common import is_keys_inner
 from stride.workers.backends import get_backend
 
 pytest.importorskip("triton")
@@ -81,6 +82,9 @@ def test_fp8_kv_cache_both_backends(tiny_path: Path) -> None:
     full = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="torch")
     assert ref.kv_cache.k_caches[0].dtype == tri.kv_cache.k_caches[0].dtype == torch.float8_e4m3fn
     assert 4 * ref.kv_cache.nbytes == full.kv_cache.nbytes  # float32 run, 8-bit cache
+    # The 8-bit V is stored keys-inner (stride/workers/kv_cache.py), K and 32-bit caches with head_dim contiguous.
+    assert is_keys_inner(ref.kv_cache.v_caches[0]) and is_keys_inner(tri.kv_cache.v_caches[0])
+    assert not is_keys_inner(ref.kv_cache.k_caches[0]) and full.kv_cache.v_caches[0].is_contiguous()
     steps = Steps(40, 4, ref.args.vocab_size)
     want, got, wide = steps.run(ref), steps.run(tri), steps.run(full)
     for layer in range(ref.args.num_layers):
