@@ -87,13 +87,17 @@ def ceilings(results: dict) -> None:
           f"bf16 matmul {results['matmul_tflop_s']:.0f} TFLOP/s")
 
 
-def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator) -> list[dict]:
-    """Disjoint problems over one shuffled block pool, every sequence at exactly ``ctx`` tokens."""
-    per_set = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator, fp8: bool = False) -> list[dict]:
+    """Disjoint problems over one shuffled block pool, every sequence at exactly ``ctx`` tokens; with ``fp8`` the
+    caches in 8 bits as the worker stores them (V keys-inner)."""
+    per_set = batch * ctx * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
     num_sets = max(1, math.ceil(rotate_bytes / per_set))
     nb = ctx // PAGE
     pool = specs.make_paged_problem([ctx] * (batch * num_sets), [1] * (batch * num_sets), HEADS, KV_HEADS,
                                     HEAD_DIM, PAGE, torch.bfloat16, gen, CUDA)
+    if fp8:
+        pool["k_cache"] = pool["k_cache"].to(pc.FP8_CACHE)
+        pool["v_cache"] = pc.keys_inner_copy(pool["v_cache"].to(pc.FP8_CACHE))
     sets = []
     for i in range(num_sets):
         rows = slice(i * batch, (i + 1) * batch)
@@ -103,22 +107,25 @@ def decode_sets(batch: int, ctx: int, rotate_bytes: int, gen: torch.Generator) -
 
 
 def bench_decode(results: dict, cache: at.AutotuneCache, rotate_bytes: int, tune: bool,
-                 shapes: list[tuple[int, int]] | None = None, wide: bool = False) -> None:
+                 shapes: list[tuple[int, int]] | None = None, wide: bool = False, fp8: bool = False) -> None:
     block_ns, warps = ((32, 64, 128), (4, 8)) if wide else ((32, 64), (4,))
     space = lambda s: [pd.DecodeConfig(bn, part, w, st) for bn in block_ns for w in warps  # noqa: E731
                        for st in (2, 3) for part in (0, 256, 512, 1024) if part < s.context_len]
     spec = dataclasses.replace(specs.PAGED_DECODE, space=space)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print("\npaged decode attention, bf16, 32 q / 8 kv heads, head_dim 128, page 16 (bytes = K+V read)")
+    tune = tune and not fp8  # the tuner's problems are 16-bit caches
+    print(f"\npaged decode attention, {'8-bit caches (V keys-inner)' if fp8 else 'bf16'}, 32 q / 8 kv heads, "
+          "head_dim 128, page 16 (bytes = K+V read)")
     print("(default: plain launches; tuned and TB/s: CUDA-graph replay)")
     print(f"{'batch':>5} {'ctx':>6} {'default ms':>10} {'TB/s':>6} {'tuned ms':>9} {'TB/s':>6} {'%copy':>6}"
           "  config")
     for batch, ctx in shapes or list(itertools.product((1, 16, 64), (1024, 4096, 16384))):
-        sets = decode_sets(batch, ctx, rotate_bytes, gen)
-        nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * 2
+        sets = decode_sets(batch, ctx, rotate_bytes, gen, fp8)
+        nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2)
         shape = specs.DecodeShape(batch, HEADS, KV_HEADS, HEAD_DIM, PAGE, ctx, torch.bfloat16)
-        default_cfg = pd.default_decode_config(batch, KV_HEADS, ctx)
+        default_cfg = pd.default_decode_config(batch, KV_HEADS, ctx, sets[0]["k_cache"].dtype,
+                                               pc.is_keys_inner(sets[0]["v_cache"]))
         ms_default = bench_over(partial(specs.PAGED_DECODE.run, default_cfg), sets)
         # The tuner times under CUDA graphs, so compare the default the same way.
         ms_default_graph = graph_over(partial(specs.PAGED_DECODE.run, default_cfg), sets)
@@ -325,6 +332,8 @@ def main() -> int:
     parser.add_argument("--rotate-mb", type=int, default=512)
     parser.add_argument("--decode-shapes", default="", help="e.g. 16x4096,64x4096 (default: the 3x3 grid)")
     parser.add_argument("--decode-wide", action="store_true", help="tune over block_n 128 and 8 warps too")
+    parser.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                        help="decode over 8-bit caches as the worker stores them (no tuning)")
     parser.add_argument("--w4a16-m", default="1,16,2,4,8", help="W4A16 batch rows to time")
     parser.add_argument("--w4a16-groups", default="32,128",
                         help="W4A16 group sizes to time (32: GGUF Q4_0/Q4_1; 128: --quantize w4a16)")
@@ -337,7 +346,7 @@ def main() -> int:
     cache = at.AutotuneCache(default_cache_path())
     rotate = args.rotate_mb * 2**20
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.decode_shapes.split(",") if s]
-    parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide),
+    parts = {"decode": partial(bench_decode, shapes=shapes or None, wide=args.decode_wide, fp8=args.kv_dtype == "fp8"),
              "extend": bench_extend, "rows": bench_rows_kernel, "w4rows": bench_w4a16_rows,
              "w4rows-smollm2": partial(bench_w4a16_rows, rows=(8, 16, 17, 24, 32, 64, 128, 512, 2048),
                                        shapes=SMOLLM2_SHAPES, label="w4a16_rows_smollm2"),

@@ -84,6 +84,11 @@ def is_keys_inner(cache: torch.Tensor) -> bool:
     return page > 1 and cache.stride(1) == 1 and cache.stride(3) == page and cache.stride(2) == d * page
 
 
+def keys_inner_copy(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values in a new tensor stored keys-inner (the worker's 8-bit V layout; for tests and benchmarks)."""
+    return cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+
+
 @triton.jit
 def load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
                       PAGE: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
