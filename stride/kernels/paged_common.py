@@ -95,9 +95,11 @@ def load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, off
     """Keys ``t0 .. t0 + BLOCK_N`` of one KV head from a keys-inner V cache, as a (BLOCK_N, BLOCK_D) tile; ``t0`` a
     multiple of BLOCK_N. Read as BLOCK_N // SUB runs of SUB keys (SUB = min(PAGE, BLOCK_N), both powers of two), each
     within one page, so the loads go along the keys, up to 16 bytes at a time. A run is read whole where it starts
-    before ``end``: the keys past ``end`` in it are other tokens' or never written, finite either way (8-bit writers
-    store no NaN or infinity: ``stride/kernels/rope.py``, ``stride/workers/attention.py``), and the caller's P is 0
-    there, so they add exact zeros."""
+    before ``end``: the keys past ``end`` in it are other tokens' or never written, and the caller's P is 0 there, so
+    they add exact zeros provided they are finite. A keys-inner cache must hold finite values only: the worker's (8-bit)
+    ones do by construction (zeroed at start; its writers store NaN as 0 and saturate: ``stride/kernels/rope.py``,
+    ``stride/workers/attention.py``); ``tests/kernels/test_kernels_attention.py`` shows a NaN there reaching the
+    output."""
     starts = t0 + tl.arange(0, BLOCK_N // SUB) * SUB
     run = starts < end
     base = tl.load(bt_row + starts // PAGE, mask=run, other=0).to(tl.int64) * stride_vb + kv_head * stride_vh
@@ -107,6 +109,20 @@ def load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, off
     v = tl.load(v_ptr + base[:, None, None] + offs_k[None, :, None] + offs_d[None, None, :] * PAGE,
                 mask=run[:, None, None] & d_mask[None, None, :], other=0.0)
     return tl.reshape(v, [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
+def load_v(v_ptr, bt_row, page, slot, kv_mask, t0, end, kv_head, stride_vb, stride_vt, stride_vh, offs_d, d_mask,
+           PAGE: tl.constexpr, V_SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Both kernels' V tile, keys ``t0 .. t0 + BLOCK_N`` of one KV head: from a keys-inner cache (``V_SUB`` > 0,
+    :func:`v_sub`) in runs along its keys, :func:`load_v_keys_inner`; else key by key at the caller's ``page`` and
+    ``slot`` (per key) under its ``kv_mask``."""
+    if V_SUB:
+        return load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
+                                 PAGE, V_SUB, BLOCK_N, BLOCK_D)
+    else:
+        rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
+        return tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
 
 def v_sub(v_cache: torch.Tensor, block_n: int) -> int:

@@ -14,7 +14,7 @@ from stride.kernels.paged_common import (
     LOG2E,
     check_cache,
     gather_kv,
-    load_v_keys_inner,
+    load_v,
     out_like,
     pv,
     split_p,
@@ -86,12 +86,8 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_SUB:  # a keys-inner V (stride/workers/kv_cache.py: v_keys_inner), read along its keys
-            v = load_v_keys_inner(v_ptr, bt_row, t0, end, kv_head, stride_vb, stride_vh, offs_d, d_mask,
-                                  PAGE, V_SUB, BLOCK_N, BLOCK_D).to(q.dtype)
-        else:
-            v_rows = page * stride_vb + slot * stride_vt + kv_head * stride_vh
-            v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = load_v(v_ptr, bt_row, page, slot, kv_mask, t0, end, kv_head, stride_vb, stride_vt, stride_vh, offs_d,
+                   d_mask, PAGE, V_SUB, BLOCK_N, BLOCK_D).to(q.dtype)
         acc = acc * alpha[:, None] + pv(p, v, SPLIT_P, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
