@@ -44,10 +44,13 @@ class TritonPagedAttention(TorchPagedAttention):
         _, num_heads, head_dim = q.shape
         num_seqs, (block_size, num_kv_heads) = meta.context_lens.shape[0], k_cache.shape[1:3]
         configs = for_device(q.device)
+        # Tuned decode configs are for caches in q's dtype (the tuner's problems); an 8-bit cache takes the launcher's
+        # own default, made for it (paged_decode.default_decode_config), not one tuned over 16-bit caches.
+        tuned_decode = k_cache.dtype == q.dtype
         if meta.max_query_len == 1:
             config = configs.decode(
                 num_seqs, num_heads, num_kv_heads, head_dim, block_size, meta.max_context_len, q.dtype
-            )
+            ) if tuned_decode else None
             return paged_decode(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
                 config=config,
@@ -60,7 +63,8 @@ class TritonPagedAttention(TorchPagedAttention):
             max_ctx = int(meta.context_lens_cpu[:d].max())
             paged_decode(
                 q[:d], k_cache, v_cache, meta.block_tables[:d], meta.context_lens[:d], scale, max_ctx,
-                config=configs.decode(d, num_heads, num_kv_heads, head_dim, block_size, max_ctx, q.dtype),
+                config=configs.decode(d, num_heads, num_kv_heads, head_dim, block_size, max_ctx, q.dtype)
+                if tuned_decode else None,
                 out=out[:d],
             )
             assert meta.extend_start_loc is not None

@@ -291,6 +291,28 @@ def test_worker_call_sites_get_the_cached_configs(
 
 
 @cpu_triton
+@torch.inference_mode()
+def test_8bit_caches_take_the_launchers_decode_config(
+    tiny_path: Path, fake_gpu: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode config tuned for the bucket (over caches in the run dtype, as the tuner makes them) reaches decodes
+    over such caches, and not decodes over 8-bit ones, which take the launcher's default made for them."""
+    cache = at.AutotuneCache(fake_gpu)
+    _put(cache, specs.PAGED_DECODE, FAKE_GPU, specs.DecodeShape(3, 4, 2, 16, 4, 38, torch.float32), DECODE_CFG)
+    cache.save()
+    kernel_configs.forget()
+    calls = _spy(monkeypatch, attention_triton, "paged_decode", lambda q, *a: q.shape[0])
+    seen = {}
+    for kv in ("auto", "fp8"):
+        runner = make_runner(str(tiny_path), device="cpu", num_blocks=40, block_size=4, attention_backend="triton",
+                             cuda_graphs=False, kv_dtype=kv)
+        Steps(40, 4, runner.args.vocab_size).run(runner)
+        seen[kv], calls[:] = list(calls), []
+    assert (3, DECODE_CFG) in seen["auto"]
+    assert seen["fp8"] and all(cfg is None for _, cfg in seen["fp8"])
+
+
+@cpu_triton
 def test_w4a16_linear_gets_its_bucket_config(fake_gpu: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 40, 96
     tuned = W4A16Config(block_m=1, block_n=32, block_k=32, split_k=2, num_warps=2, num_stages=2, gemv=True)
