@@ -20,7 +20,7 @@ import stride.workers.attention_triton as attention_triton
 from stride.kernels import autotune as at
 from stride.kernels import autotune_specs as specs
 from stride.kernels import rope as rope_kernels
-from stride.kernels.paged_common import is_keys_inner
+from stride.kernels.paged_common import is_keys_inner, keys_inner_copy
 from stride.kernels.paged_decode import DecodeConfig
 from stride.kernels.paged_extend import ExtendConfig
 from stride.kernels.rmsnorm import RMSNormConfig
@@ -100,7 +100,7 @@ def test_fused_rope_writes_k_and_v_into_the_cache(dtype: torch.dtype, cache_dtyp
     before_k = torch.full((8, 4, 3, 64), 7.0, dtype=cache_dtype, device=DEVICE)
     before_v = torch.full_like(before_k, -7.0)
     if keys_inner:
-        before_v = before_v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        before_v = keys_inner_copy(before_v)
         assert is_keys_inner(before_v)
     want_q, want_k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
     want_kc, want_vc = before_k.clone(), before_v.clone()
