@@ -144,7 +144,8 @@ def run_stride(spec: RunSpec, model: str, schedule: Schedule, forced: list[list[
     n = len(schedule.prompts)
     per_seq = _blocks_per_seq(schedule)
     worker = WorkerConfig(model=model, dtype=spec.dtype, tensor_parallel_size=spec.tp,
-                          attention_backend=spec.backend, quantize=spec.quantize, cuda_graphs=spec.graphs)
+                          attention_backend=spec.backend, quantize=spec.quantize, kv_dtype=spec.kv,
+                          cuda_graphs=spec.graphs)
     if spec.device:
         worker = replace(worker, device=spec.device)
     # One block past the sequences' own: a write one slot off (a fault under test) stays inside the cache.

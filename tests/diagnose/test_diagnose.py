@@ -71,6 +71,7 @@ FAULTS = {
     "RoPE base wrong": ("tp=1", "tp=1", rope_with_wrong_base),
     "KV written to the wrong slot": ("tp=1", "tp=1", kv_written_one_slot_off),
     "W4A16 scale dropped": ("quantize=w4a16-g16", "quantize=w4a16-g16", dropped_w4a16_scale),
+    "attention output shards swapped, 8-bit K/V": ("tp=2,kv=fp8", "tp=1,kv=fp8", swapped_attention_output_shards),
 }
 
 
@@ -93,6 +94,14 @@ def test_the_same_pair_without_the_fault_is_clean(tiny: str) -> None:
     for a, b, _ in FAULTS.values():
         report = diagnose(RunSpec.parse(a), RunSpec.parse(b), tiny, _schedule())
         assert report.first_divergent is None and not report.flips, report.text()
+
+
+def test_an_8bit_cache_against_a_float32_one_stays_in_its_band(tiny: str) -> None:
+    """``kv=fp8`` against the run dtype's cache: off by the 8-bit rounding (well past float32's band, so the pair is
+    not vacuously equal), inside the 8-bit band."""
+    report = diagnose(RunSpec.parse("kv=fp8"), RunSpec(), tiny, _schedule())
+    assert report.first_divergent is None, report.text()
+    assert max(p.rel for p in report.points) > 100 * 2e-6, report.text()
 
 
 def _capture(label: str, rel_noise: float, chosen: list[list[int]], margins: list[list[float]],
@@ -143,13 +152,17 @@ def test_specs_and_bands() -> None:
     assert RunSpec.parse("hf").hf and RunSpec.parse("hf,dtype=bfloat16").dtype == "bfloat16"
     assert RunSpec.parse("graphs=on,quantize=w4a16").label() == "quantize=w4a16,graphs=on"
     for bad, word in (("tp=0", "tp"), ("color=red", "unknown setting"), ("hf,tp=2", "hf takes only"),
-                      ("quantize=w3", "quantize"), ("graphs=yes", "graphs"), ("dtype=int8", "dtype")):
+                      ("quantize=w3", "quantize"), ("graphs=yes", "graphs"), ("dtype=int8", "dtype"),
+                      ("kv=int4", "kv must be"), ("hf,kv=fp8", "hf takes only")):
         with pytest.raises(ValueError, match=word):
             RunSpec.parse(bad)
     f32, bf16 = RunSpec(), RunSpec(dtype="bfloat16")
     assert band(f32, f32) == 2e-6 and band(bf16, f32) == 1e-2
     q4 = RunSpec(quantize="w4a16")
     assert band(q4, f32) == 0.1 and band(q4, q4) == 2e-6
+    fp8 = RunSpec.parse("kv=fp8")
+    assert fp8 == RunSpec(kv="fp8") and fp8.label() == "kv=fp8" and RunSpec.parse("kv=auto") == f32
+    assert band(fp8, f32) == 0.05 and band(fp8, fp8) == 1e-2 and band(fp8, RunSpec(kv="fp8", dtype="bfloat16")) == 1e-2
     assert band_at(1e-2, 0) == 1e-2 and band_at(1e-2, 8) == 2e-2
     assert near_tie(2e-6) == 1e-3 and near_tie(1e-2) == 0.1
 

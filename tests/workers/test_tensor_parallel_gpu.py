@@ -25,14 +25,15 @@ def _schedule(vocab: int) -> Schedule:
     return Schedule(tuple(tuple(int(x) for x in rng.integers(0, vocab, n)) for n in (40, 23, 9)), decode_steps=4)
 
 
-@pytest.mark.parametrize("preset, config", [
-    ("tiny-llama", {}), ("tiny-llama", {"num_key_value_heads": 1}), ("tiny-mixtral", {}),
-    ("llama-3.1-8b", {"num_hidden_layers": 4}),  # real widths, four layers
+@pytest.mark.parametrize("preset, config, kv", [
+    ("tiny-llama", {}, "auto"), ("tiny-llama", {"num_key_value_heads": 1}, "auto"), ("tiny-mixtral", {}, "auto"),
+    ("llama-3.1-8b", {"num_hidden_layers": 4}, "auto"),  # real widths, four layers
+    ("llama-3.1-8b", {"num_hidden_layers": 4}, "fp8"),  # the 8-bit cache (keys-inner V) on both sides
 ])
-def test_two_gpus_match_one_in_bf16(preset: str, config: dict[str, int], tmp_path: Path) -> None:
+def test_two_gpus_match_one_in_bf16(preset: str, config: dict[str, int], kv: str, tmp_path: Path) -> None:
     model = str(make_checkpoint(preset, tmp_path / "ck", torch.bfloat16, device="cuda", **config))
     vocab = {"llama-3.1-8b": 128256}.get(preset, 320)
-    one, two = RunSpec(dtype="bfloat16", device="cuda"), RunSpec(tp=2, dtype="bfloat16", device="cuda")
+    one, two = RunSpec(dtype="bfloat16", kv=kv, device="cuda"), RunSpec(tp=2, dtype="bfloat16", kv=kv, device="cuda")
     report = diagnose(two, one, model, _schedule(vocab))
     assert report.first_divergent is None, report.text()
     assert not [f for f in report.flips if not f.near_tie], report.text()
