@@ -5,6 +5,7 @@ tokens with both or neither, but where its top two are near-tied."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,10 @@ def test_upcast_layers_multiply_large_steps_in_float32(monkeypatch: pytest.Monke
 @pytest.mark.slow
 def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None:
     """Every one of the default model's Q4_1 projections gets its grid; 48 greedy steps from two prompts pick the
-    tokens the bf16 weights pick, but where those weights' top two log-probs are within 0.05 of each other."""
+    tokens the bf16 weights pick, but where those weights' top two are near-tied: within 0.05 (the int8 head's error)
+    plus two steps of the bf16 logits' own grid at their size (both heads round their logits to bf16, 0.125 apart
+    between 16 and 32: two logits 0.19 apart rounded 0.25 apart on one path and tied on the other on an Intel CPU with
+    AMX, 2026-12-05)."""
     torch.set_num_threads(1)
     plain = make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
                         max_num_seqs=1, cpu_int4=False, cpu_int8_head=False, cpu_pack=False)
@@ -142,13 +146,16 @@ def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None
         for _ in range(24):
             n = len(ids)
             args = (np.array(step), np.arange(n - len(step), n), [0], [len(step)], [n], table)
-            want = torch.log_softmax(plain.forward(*args)[0].double(), -1)
+            logits = plain.forward(*args)[0]
+            want = torch.log_softmax(logits.double(), -1)
             got = torch.log_softmax(fast.forward(*args)[0].double(), -1)
             top2 = want.topk(2)
             compared += 1
             if int(got.argmax()) != int(top2.indices[0]):
                 flips += 1
-                assert float(top2.values[0] - top2.values[1]) < 0.05
+                top = float(logits[top2.indices].abs().max())  # the two logits' size sets their grid
+                bf16_step = torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(top))
+                assert float(top2.values[0] - top2.values[1]) < 0.05 + 2 * bf16_step
             nxt = int(top2.indices[0])  # both follow the bf16 weights' choice
             ids.append(nxt)
             step = [nxt]
