@@ -77,7 +77,10 @@ def weight_bytes(runner: ModelRunner) -> int:
     return total
 
 
-def decode_rate(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> float:
+def decode_rate(runner: ModelRunner, batch: int, prompt_len: int, steps: int, device_tokens: bool = False) -> float:
+    """Tokens/s of ``steps`` decode steps. ``device_tokens``: each step's argmax goes into the next step on the
+    device, with no host read between steps (as the worker runs a step built ahead, early launch); otherwise each
+    step's tokens come back to the host first."""
     bs = runner.block_size
     blocks_per_seq = -(-(prompt_len + steps + 1) // bs)
     if batch * blocks_per_seq > runner.num_blocks:
@@ -100,14 +103,14 @@ def decode_rate(runner: ModelRunner, batch: int, prompt_len: int, steps: int) ->
             np.full(n, prompt_len, np.int32),
             tables,
         )
-    tokens = rng.integers(0, runner.args.vocab_size, batch).astype(np.int32)
+    tokens: np.ndarray | torch.Tensor = rng.integers(0, runner.args.vocab_size, batch).astype(np.int32)
     q_lens = np.ones(batch, np.int32)
     sync(runner.device)
     start = time.perf_counter()
     for i in range(steps):
         pos = np.full(batch, prompt_len + i, np.int32)
         logits = runner.forward(tokens, pos, slots, q_lens, pos + 1, tables)
-        tokens = logits.argmax(-1).to(torch.int32).cpu().numpy()
+        tokens = logits.argmax(-1) if device_tokens else logits.argmax(-1).to(torch.int32).cpu().numpy()
     sync(runner.device)
     return batch * steps / (time.perf_counter() - start)
 
@@ -155,6 +158,9 @@ def main() -> int:
                         help="also time the triton backend with decode steps replayed from CUDA graphs")
     parser.add_argument("--pdl", action="store_true",
                         help="with --graphs, also time graphs captured with programmatic dependent launch")
+    parser.add_argument("--device-tokens", action="store_true",
+                        help="also time each mode with the sampled tokens fed to the next step on the device (no "
+                        "host read between steps: the served worker's early launch)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--quantize", default="", help="w4a16 or w4a16-g<N>: quantise the projections at load")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each")
@@ -203,13 +209,15 @@ def main() -> int:
                                   graphs.pad_block, graphs.max_batch)
         runner.graphs = graphs if "+graphs" in name else None
         use_fused_kernels(runner.model, runner.backend.fused_layers)
-        rates = all_rates[name] = {}
-        for b in batches:
-            # Warm-up over the same context lengths as the timed run: Triton compiles a kernel again for a
-            # length divisible by 16, and that must not land in the timing.
-            decode_rate(runner, b, args.prompt_len, args.steps)
-            rates[b] = decode_rate(runner, b, args.prompt_len, args.steps)
-            print(f"[{name}] batch {b:4d}: {rates[b]:9.1f} tok/s  ({1000 * b / rates[b]:.1f} ms/step)")
+        for on_device in (False, True)[: 1 + args.device_tokens]:
+            label = name + "+device-tokens" * on_device
+            rates = all_rates[label] = {}
+            for b in batches:
+                # Warm-up over the same context lengths as the timed run: Triton compiles a kernel again for a
+                # length divisible by 16, and that must not land in the timing.
+                decode_rate(runner, b, args.prompt_len, args.steps, on_device)
+                rates[b] = decode_rate(runner, b, args.prompt_len, args.steps, on_device)
+                print(f"[{label}] batch {b:4d}: {rates[b]:9.1f} tok/s  ({1000 * b / rates[b]:.2f} ms/step)")
     if runner.device.type == "cuda":
         bw = copy_bandwidth(runner.device)
         wb = weight_bytes(runner)

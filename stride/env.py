@@ -89,6 +89,13 @@ PDL = EnvVar(
     "H200, batch-1 step from graphs: 5% less GPU time for an 8B 4-bit model, a third less for SmolLM2-135M "
     "(docs/perf-log.md).")
 
+EARLY_LAUNCH = EnvVar(
+    "STRIDE_EARLY_LAUNCH", "",
+    "'1': with overlapped scheduling, rank 0 launches a step built ahead as soon as it arrives, its placeholder "
+    "tokens taken on the device from the step before, which it then finishes and reports (the GPU does not wait "
+    "for the host between steps); '0': each step is launched after the one before is reported; default: on with "
+    "one CUDA rank.")
+
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET", "0",
     "Triton's own switch, read by Triton when it is first imported: '1' runs kernels in its interpreter on CPU "
@@ -96,7 +103,7 @@ TRITON_INTERPRET = EnvVar(
 
 REGISTRY: tuple[EnvVar, ...] = (
     RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, CPU_INT8_HEAD,
-    CPU_PACK, CPU_COMPILE, CPU_STEP_CACHE, CONTROL_NICE, AUTOTUNE_CACHE, PDL, TRITON_INTERPRET,
+    CPU_PACK, CPU_COMPILE, CPU_STEP_CACHE, CONTROL_NICE, AUTOTUNE_CACHE, PDL, EARLY_LAUNCH, TRITON_INTERPRET,
 )
 
 

@@ -84,7 +84,7 @@ def test_a_request_the_scheduler_cannot_admit_fails_alone(tmp_path: Path) -> Non
 
 
 class _Runner:
-    def step(self, buf: Any, num_tokens: int, num_seqs: int) -> torch.Tensor:
+    def step(self, buf: Any, num_tokens: int, num_seqs: int, token_ids: Any = None) -> torch.Tensor:
         logits = torch.full((num_seqs, VOCAB), -10.0)
         logits[:, 7] = 10.0
         return logits

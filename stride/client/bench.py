@@ -234,7 +234,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
 
 
 TIMELINE_COUNTERS = ("steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds",
-                     "step_gap_seconds", "graph_steps", "graph_step_device_seconds")
+                     "step_gap_seconds", "graph_steps", "graph_step_device_seconds", "early_steps")
 """Stride's step-timeline counters on ``/metrics`` (``stride:<name>_total``)."""
 TIMELINE_LAG_S = 0.7
 
@@ -272,6 +272,7 @@ def step_timeline(before: dict[str, float], after: dict[str, float]) -> dict[str
         "transport": (d["step_round_trip_seconds"] - d["step_worker_seconds"]) / busy,
         "scheduler": d["step_gap_seconds"] / busy,
         "graph_steps": d["graph_steps"],
+        "early_steps": d["early_steps"],
         "graph_step_ms": 1000 * d["graph_step_device_seconds"] / d["graph_steps"] if d["graph_steps"] else 0.0,
         "eager_step_ms": (1000 * (d["step_device_seconds"] - d["graph_step_device_seconds"])
                           / (d["steps"] - d["graph_steps"]) if d["steps"] > d["graph_steps"] else 0.0),
@@ -340,7 +341,8 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"{t['device']:.0%}, worker host {t['worker_host']:.0%}, transport {t['transport']:.0%}, "
                      f"scheduler {t['scheduler']:.0%}")
         lines.append(f"{'':<21}{t['graph_steps']:.0f} steps on decode graphs ({t['graph_step_ms']:.2f} ms of device "
-                     f"each), {t['steps'] - t['graph_steps']:.0f} eager ({t['eager_step_ms']:.2f} ms)")
+                     f"each), {t['steps'] - t['graph_steps']:.0f} eager ({t['eager_step_ms']:.2f} ms); "
+                     f"{t['early_steps']:.0f} launched early")
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 

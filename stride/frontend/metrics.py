@@ -60,10 +60,13 @@ class FrontendMetrics:
         self.graph_steps = counter("stride:graph_steps", "Steps whose forward replayed a decode CUDA graph (the "
                                    "others ran eagerly).")
         self.graph_step_device = counter("stride:graph_step_device_seconds", "Device span of the graph steps.")
+        self.early_steps = counter("stride:early_steps", "Steps the worker launched before reporting the step "
+                                   "before (their input tokens taken on the device: no host round trip between).")
         self._labels = {"model_name": model_name}
         timeline = {"steps": self.steps, "step_device_s": self.step_device, "step_worker_s": self.step_worker,
                     "step_round_trip_s": self.step_round_trip, "step_gap_s": self.step_gap,
-                    "graph_steps": self.graph_steps, "graph_step_device_s": self.graph_step_device}
+                    "graph_steps": self.graph_steps, "graph_step_device_s": self.graph_step_device,
+                    "early_steps": self.early_steps}
         for metric in timeline.values():
             self.lbl(metric)  # exported as 0 from the start, so a reader's "before" exists before the first step
         # SchedulerStats field holding a running total → the counter it advances, and the total seen so far.

@@ -125,6 +125,9 @@ class StepDone(Message):
     ``worker_s`` less the message handling)."""
     graphed: bool = False
     """The forward replayed a decode graph (else it ran eagerly: a step with prefill, or past the graphs)."""
+    early: bool = False
+    """Launched before the step before it was reported, its placeholder tokens taken on the device (early launch:
+    the device did not wait for rank 0's host side between the two)."""
 
 
 TO_SCHEDULER = (TokenizedRequest, AbortRequest, StepDone)
@@ -243,6 +246,8 @@ class SchedulerStats(Message):
     graph_steps: int = 0
     """Of the steps, those whose forward replayed a decode graph, and their device seconds."""
     graph_step_device_s: float = 0.0
+    early_steps: int = 0
+    """Of the steps, those launched early (:attr:`StepDone.early`)."""
     grammars_built: int = 0
     """Structured outputs: grammars the scheduler built into a matcher (each distinct one once while it is kept)."""
 

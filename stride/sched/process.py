@@ -242,6 +242,7 @@ class SchedulerLoop:
         return replace(self.core.metrics().to_message(), steps=t.steps, step_device_s=t.device_s,
                        step_worker_s=t.worker_s, step_round_trip_s=t.round_trip_s, step_gap_s=t.gap_s,
                        graph_steps=t.graph_steps, graph_step_device_s=t.graph_device_s,
+                       early_steps=t.early_steps,
                        grammars_built=self.grammar.built if self.grammar is not None else 0)
 
 
@@ -306,7 +307,7 @@ def run(config: StrideConfig) -> int:
                 to_front.put(m.RequestFailed("", 503, "the model worker failed", "worker_dead"))
                 control.put(m.ProcessFailed("scheduler", f"worker step failed: {msg.error}"))
                 raise _WorkerFailed
-            loop.timeline.done(arrived, msg.worker_s, msg.device_s, msg.graphed)
+            loop.timeline.done(arrived, msg.worker_s, msg.device_s, msg.graphed, msg.early)
             for owner, outs in loop.on_step_done(msg, now).items():
                 to_tok[owner].put(m.StepOutputs(outs))
             ready = loop.masks_after_update()  # the step built ahead's masks, while it runs

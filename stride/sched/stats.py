@@ -37,6 +37,8 @@ class StepTimeline:
     graph_steps: int = 0
     """Steps whose forward replayed a decode graph, and their share of ``device_s``: the rest ran eagerly."""
     graph_device_s: float = 0.0
+    early_steps: int = 0
+    """Steps rank 0 launched before it reported the step before (early launch)."""
     _in_flight: int = 0
     _sent_at: float | None = None
     _done_at: float | None = None
@@ -50,8 +52,9 @@ class StepTimeline:
             self._sent_at = now
         self._in_flight += 1
 
-    def done(self, now: float, worker_s: float, device_s: float, graphed: bool = False) -> None:
+    def done(self, now: float, worker_s: float, device_s: float, graphed: bool = False, early: bool = False) -> None:
         """Rank 0's answer to the oldest step in flight came at ``now``."""
+        self.early_steps += early
         if graphed:
             self.graph_steps += 1
             self.graph_device_s += device_s

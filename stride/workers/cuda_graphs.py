@@ -142,7 +142,7 @@ class DecodeGraphs:
 
     def run(
         self,
-        token_ids: np.ndarray,
+        token_ids: np.ndarray | torch.Tensor,
         positions: np.ndarray,
         context_lens: np.ndarray,
         tables: torch.Tensor,
@@ -151,8 +151,9 @@ class DecodeGraphs:
         """float32 logits (num_seqs, vocab) of a decode step, or None where this step's bucket could not be
         captured (out of device memory): the caller runs it eagerly. ``tables``: host (num_seqs, >= blocks
         needed) rows of the step's sequences (entries past a sequence's blocks are never read);
-        ``table_width``: columns of the whole block-table array, the most a context bucket may take. The
-        runner has checked every input; this only places them."""
+        ``table_width``: columns of the whole block-table array, the most a context bucket may take;
+        ``token_ids`` on the host or the device (copied in after the host buffers, in stream order). The runner has
+        checked every input; this only places them."""
         num_seqs = len(context_lens)
         batch = next(b for b in self.buckets if b >= num_seqs)
         columns = context_bucket(int(context_lens.max()), self.block_size, table_width)
@@ -163,7 +164,8 @@ class DecodeGraphs:
             g.copied.synchronize()  # the last step's copies out of the host buffers are done
         ints = g.host_ints.numpy()
         ints[:, num_seqs:] = np.array([[0], [0], [1]])
-        ints[0, :num_seqs] = token_ids
+        on_device = isinstance(token_ids, torch.Tensor) and token_ids.device.type != "cpu"
+        ints[0, :num_seqs] = 0 if on_device else np.asarray(token_ids)
         ints[1, :num_seqs] = positions
         ints[2, :num_seqs] = context_lens
         host_tables = g.host_tables.numpy()
@@ -174,6 +176,8 @@ class DecodeGraphs:
         g.tables.copy_(g.host_tables, non_blocking=True)
         if g.copied is not None:
             g.copied.record()
+        if isinstance(token_ids, torch.Tensor) and on_device:
+            g.ints[0, :num_seqs].copy_(token_ids)
         if g.graph is not None:
             g.graph.replay()
         else:

@@ -24,6 +24,7 @@ import numpy as np
 import zmq
 
 from stride.config import HEARTBEAT_INTERVAL_S, StrideConfig, quantize_group_size
+from stride.env import EARLY_LAUNCH
 from stride.ipc import messages as m
 from stride.ipc.layouts import MAX_TOP_LOGPROBS, MaskBuffer, StepBank, StepBuffers, StepLayout
 from stride.ipc.queues import PullQueue, PushQueue
@@ -40,6 +41,27 @@ class _History:
     req_id: str
     prompt: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device (:meth:`ModelStepper.launch`)."""
+
+    desc: m.StepDescriptor
+    buf: StepBank
+    failed: dict[int, m.SequenceFailure] = field(default_factory=dict)
+    rows: np.ndarray | None = None
+    """The step's rows that sample (None: none do)."""
+    outs: list[Any] = field(default_factory=list)
+    """Sampled ids, their log-probs, top ids and top log-probs (or None), on the host once ``done`` has passed."""
+    done: Any = None
+    """CUDA event after the copies of ``outs``; None on the CPU (there the step ran as it was launched)."""
+    row_tokens: Any = None
+    """Device (num_seqs,): each row's sampled token, 0 where it sampled nothing; what a step built ahead fills its
+    placeholders with."""
+
+    def ready(self) -> bool:
+        return self.done is None or bool(self.done.query())
 
 
 def _needs_history(params: Any) -> bool:
@@ -108,9 +130,26 @@ class ModelStepper:
         """Run one step; returns the sequences that failed alone (their rows sample nothing). ``masks(step)``:
         waits until the scheduler wrote the step's bitmask rows (structured outputs) and returns the bitmask
         array; called, after the forward is launched, only for a step with ``masked_rows``."""
+        return self.finish(self.launch(desc, buf, masks))
+
+    def can_launch_early(self, desc: m.StepDescriptor, before: _Launched) -> bool:
+        """Whether ``desc`` may be launched before ``before`` (the step in flight) is finished: it was built ahead
+        of that step, so its placeholders name that step's rows; it has no masked rows (their masks need the step
+        before reported first); no sequence collects its history from the step inputs (which would read the
+        placeholders on the host)."""
+        return (self.samples and desc.ahead and before.desc.bank == 1 - desc.bank and not desc.masked_rows
+                and not self._history)
+
+    def launch(self, desc: m.StepDescriptor, buf: StepBank, masks: Callable[[int], np.ndarray] | None = None,
+               before: _Launched | None = None) -> _Launched:
+        """Queue one step's forward and sampling on the device; :meth:`finish` writes its tokens. With ``before``
+        (see :meth:`can_launch_early`) ``buf`` is the bank as the scheduler wrote it and each placeholder is filled
+        on the device from ``before``'s sampled tokens; without, ``buf`` has its placeholders filled on the host."""
+        import torch
+
         if not self.samples:
             self.runner.step(buf, desc.num_tokens, desc.num_seqs)
-            return []
+            return _Launched(desc, buf)
         for slot in desc.finished_slots:
             self._drop(slot)
         failed: dict[int, m.SequenceFailure] = {}
@@ -122,7 +161,15 @@ class ModelStepper:
         n, t = desc.num_seqs, desc.num_tokens
         if self._history:
             self._collect(buf, n)
-        logits = self.runner.step(buf, t, n)
+        token_ids = None
+        if before is not None:
+            ids = buf.token_ids[:t]
+            if (ids < 0).any():
+                dev = self.sampler.upload(ids.astype(np.int64))
+                prev = before.row_tokens if before.row_tokens is not None else torch.zeros(
+                    before.desc.num_seqs, dtype=dev.dtype, device=dev.device)
+                token_ids = torch.where(dev < 0, prev[(-1 - dev).clamp(min=0)], dev)
+        logits = self.runner.step(buf, t, n, token_ids)
         if self.device_type == "cpu" and t >= TRIM_AFTER_TOKENS:
             from stride.workers.cpu_int4 import trim_heap  # torch's side of the worker (the sim one imports none)
 
@@ -137,23 +184,45 @@ class ModelStepper:
             flags &= ~np.isin(buf.seq_slots[:n], list(failed))
         rows = np.flatnonzero(flags)
         if len(rows) == 0:
-            return list(failed.values())
+            return _Launched(desc, buf, failed)
         slots = buf.seq_slots[:n][rows].tolist()
         allowed = None
         if desc.masked_rows and masks is not None:
             allowed = self._allowed(desc, rows, masks(desc.step))
         # Every row samples in a decode step: no gather. Elsewhere the rows' index goes up through pinned memory (a
         # host index would wait for the forward).
-        picked = logits if len(rows) == n else logits[self.sampler.upload(rows)]
+        rows_dev = None if len(rows) == n else self.sampler.upload(rows)
+        picked = logits if rows_dev is None else logits[rows_dev]
         res = self.sampler.sample(picked, slots, allowed=allowed)
-        buf.sampled_ids[rows] = res.token_ids.cpu().numpy()
-        if res.logprobs is not None:
-            buf.logprobs[rows] = res.logprobs.cpu().numpy()
-        if res.top_ids is not None and res.top_logprobs is not None:
-            k = min(res.top_ids.shape[1], MAX_TOP_LOGPROBS)
-            buf.top_ids[rows, :k] = res.top_ids[:, :k].cpu().numpy()
-            buf.top_logprobs[rows, :k] = res.top_logprobs[:, :k].cpu().numpy()
-        return list(failed.values())
+        # Each row's token for a step launched next (0 where the row sampled nothing, as the host's filling gives).
+        row_tokens = res.token_ids if rows_dev is None else torch.zeros(
+            n, dtype=res.token_ids.dtype, device=res.token_ids.device).index_copy_(0, rows_dev, res.token_ids)
+        k = 0 if res.top_ids is None else min(res.top_ids.shape[1], MAX_TOP_LOGPROBS)
+        outs = [res.token_ids, res.logprobs, None if res.top_ids is None else res.top_ids[:, :k],
+                None if res.top_logprobs is None else res.top_logprobs[:, :k]]
+        done = None
+        if res.token_ids.is_cuda:  # copied out behind the step, into pinned memory: nothing waits here
+            outs = [None if x is None else torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(
+                x, non_blocking=True) for x in outs]
+            done = torch.cuda.Event()
+            done.record()
+        return _Launched(desc, buf, failed, rows, outs, done, row_tokens)
+
+    def finish(self, step: _Launched) -> list[m.SequenceFailure]:
+        """Wait for a launched step's tokens and write them (with their log-probs) into its bank."""
+        if step.done is not None:
+            step.done.synchronize()
+        rows, buf = step.rows, step.buf
+        if rows is not None and step.outs:
+            token_ids, logprobs, top_ids, top_logprobs = step.outs
+            buf.sampled_ids[rows] = token_ids.numpy()
+            if logprobs is not None:
+                buf.logprobs[rows] = logprobs.numpy()
+            if top_ids is not None and top_logprobs is not None:
+                k = top_ids.shape[1]
+                buf.top_ids[rows, :k] = top_ids.numpy()
+                buf.top_logprobs[rows, :k] = top_logprobs.numpy()
+        return list(step.failed.values())
 
     def _allowed(self, desc: m.StepDescriptor, rows: np.ndarray, bitmask: np.ndarray) -> tuple[Any, Any]:
         """(positions among the sampled ``rows``, their bitmask rows on the device) of the masked rows that still
@@ -212,6 +281,16 @@ class SimStepper:
 
     graphed = False
 
+    def launch(self, desc: m.StepDescriptor, buf: StepBank, masks: Callable[[int], np.ndarray] | None = None,
+               before: _Launched | None = None) -> _Launched:
+        """Runs the step at once (nothing is left in flight)."""
+        assert before is None, "the simulated backend launches no step early"
+        self.run(desc, buf, masks)
+        return _Launched(desc, buf)
+
+    def finish(self, step: _Launched) -> list[m.SequenceFailure]:
+        return []
+
     def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
         seconds = self.backend.run(desc, buf, buf.sampled_ids)
@@ -223,6 +302,33 @@ class SimStepper:
                     buf.sampled_ids[row] = int(np.argmax(bits))
         time.sleep(seconds)  # the modelled step takes its time, so the stack sees realistic latencies
         return []
+
+
+@dataclass
+class _InFlight:
+    """A launched step, as the loop reports it."""
+
+    launched: _Launched
+    taken: float
+    timer: _StepTimer
+    graphed: bool
+    early: bool
+
+
+SPIN_S = 50e-6
+"""How long rank 0, with a step in flight, sleeps between looks at its inbox and at the step's device work."""
+
+
+def _next_message(inbox: PullQueue[m.Message], step: _Launched) -> m.Message | None:
+    """The next message (masks aside), or None once ``step``'s device work is done with none waiting."""
+    while True:
+        ready = step.ready()
+        msg = inbox.get(0)
+        if msg is not None and not isinstance(msg, m.MasksReady):
+            return msg
+        if ready:
+            return None
+        time.sleep(SPIN_S)
 
 
 class _Stopped(Exception):
@@ -315,13 +421,53 @@ def run(config: StrideConfig, rank: int = 0) -> int:
                 if got is not None:
                     log.warning("rank 0 waiting for the masks of step %d got %s", step, type(got).__name__)
 
+        # With early launch a step is left in flight (``pending``) while the next one is awaited: one built ahead of
+        # it is launched first, its placeholder tokens taken on the device, so the GPU goes on without waiting for
+        # this loop; then the one in flight is finished and reported.
+        early = (isinstance(stepper, ModelStepper) and stepper.samples and num_ranks == 1 and config.scheduler.overlap
+                 and (EARLY_LAUNCH.get_bool() if EARLY_LAUNCH.get() else stepper.device_type == "cuda"))
+        timers = (timer, _StepTimer(timer.cuda))  # one per bank: two steps may be in flight
+        pending: _InFlight | None = None
+        reported = 0.0
+
+        def fail(step: int, e: Exception) -> None:
+            log.exception("step %d failed", step)
+            if rank == 0:  # the scheduler fails the requests and the launcher shuts down
+                to_sched.put(m.StepDone(step, error=f"{type(e).__name__}: {e}"))
+
+        def report(f: _InFlight) -> None:
+            nonlocal reported
+            try:
+                failed = stepper.finish(f.launched)
+            except Exception as e:
+                fail(f.launched.desc.step, e)
+                raise
+            now = time.perf_counter()
+            if rank == 0:  # the worker's share: from taking the step, or from reporting the one before if later
+                to_sched.put(m.StepDone(f.launched.desc.step, failed=failed, worker_s=now - max(f.taken, reported),
+                                        device_s=f.timer.seconds(), graphed=f.graphed, early=f.early))
+            reported = now
+
         while True:
-            # While a compiled decode step is being built, an idle worker looks for it once a second.
-            building = stepper.building if isinstance(stepper, ModelStepper) else False
-            msg = inbox.get(IDLE_POLL_MS if building else None)
-            if msg is None and isinstance(stepper, ModelStepper):
-                stepper.idle()
-            if msg is None or isinstance(msg, m.MasksReady):  # (masks are taken inside their step)
+            if pending is not None:
+                msg = _next_message(inbox, pending.launched)
+            else:
+                # While a compiled decode step is being built, an idle worker looks for it once a second.
+                building = stepper.building if isinstance(stepper, ModelStepper) else False
+                msg = inbox.get(IDLE_POLL_MS if building else None)
+                if msg is None and isinstance(stepper, ModelStepper):
+                    stepper.idle()
+            if isinstance(msg, m.MasksReady):  # (masks are taken inside their step)
+                continue
+            before = None
+            if pending is not None:
+                if (isinstance(msg, m.StepDescriptor) and isinstance(stepper, ModelStepper)
+                        and stepper.can_launch_early(msg, pending.launched)):
+                    before = pending
+                else:
+                    report(pending)
+                pending = None
+            if msg is None:
                 continue
             taken = time.perf_counter()
             for peer in peers:  # every rank runs the same step; the collectives keep them in lockstep
@@ -331,20 +477,26 @@ def run(config: StrideConfig, rank: int = 0) -> int:
             assert isinstance(msg, m.StepDescriptor)
             if buf is None:  # the launcher makes the segments after this rank reported ready
                 buf = StepBuffers.attach(config.ipc, layout)
-            step_buf = buf.bank(msg.bank).step_inputs(msg.num_tokens, msg.ahead, buf.bank(1 - msg.bank))
+            if before is not None:  # placeholders filled on the device
+                step_buf = buf.bank(msg.bank)
+            else:
+                step_buf = buf.bank(msg.bank).step_inputs(msg.num_tokens, msg.ahead, buf.bank(1 - msg.bank))
+            step_timer = timers[msg.bank]
             try:
-                with timer:
-                    failed = stepper.run(msg, step_buf, masks_of)
+                with step_timer:
+                    launched = stepper.launch(msg, step_buf, masks_of, None if before is None else before.launched)
             except _Stopped:
                 return 0
-            except Exception as e:  # the scheduler fails the requests and the launcher shuts down
-                log.exception("step %d failed", msg.step)
-                if rank == 0:
-                    to_sched.put(m.StepDone(msg.step, error=f"{type(e).__name__}: {e}"))
+            except Exception as e:
+                fail(msg.step, e)
                 raise
-            if rank == 0:
-                to_sched.put(m.StepDone(msg.step, failed=failed, worker_s=time.perf_counter() - taken,
-                                        device_s=timer.seconds(), graphed=stepper.graphed))
+            current = _InFlight(launched, taken, step_timer, stepper.graphed, before is not None)
+            if before is not None:
+                report(before)
+            if early:
+                pending = current
+            else:
+                report(current)
     except Exception as e:
         log.exception("worker rank %d failed", rank)
         control.put(m.ProcessFailed("worker", f"{type(e).__name__}: {e}", rank))

@@ -358,7 +358,9 @@ class ModelRunner:
 
         ``token_ids``/``positions``: (num_tokens,), sequences back to back; ``seq_slots``, ``query_lens``,
         ``context_lens`` (KV length after this step): (num_seqs,); ``block_tables``: the whole
-        (max_num_seqs, max_blocks) array, rows indexed by slot. numpy arrays or CPU tensors, int32 or int64.
+        (max_num_seqs, max_blocks) array, rows indexed by slot. numpy arrays or CPU tensors, int32 or int64;
+        ``token_ids`` may also be a tensor on the runner's device (a step launched before the host knows the tokens
+        the step before sampled: nothing here reads their values).
         """
         q_lens = np.asarray(query_lens, dtype=np.int64)
         ctx_lens = np.asarray(context_lens, dtype=np.int64)
@@ -389,7 +391,8 @@ class ModelRunner:
         decode_only = q_lens.max() == 1
         self.last_step_graphed = self.last_step_compiled = False
         if self.graphs is not None and decode_only and self.graphs.fits(len(q_lens), int(ctx_lens.max()), width):
-            logits = self.graphs.run(np.asarray(token_ids), pos_host, ctx_lens, tables_host, width)
+            ids = token_ids if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
+            logits = self.graphs.run(ids, pos_host, ctx_lens, tables_host, width)
             if logits is not None:  # else no memory to capture its bucket: eagerly, below
                 self.last_step_graphed = True
                 return logits
@@ -399,7 +402,7 @@ class ModelRunner:
             if step is not None:  # its inputs on the host: one row of blocks per sequence, past its context block 0
                 self.last_step_compiled = True
                 return self.model.compute_logits(step(
-                    torch.from_numpy(np.asarray(token_ids, dtype=np.int64)), torch.from_numpy(pos_host),
+                    _tensor(token_ids).to("cpu", torch.long), torch.from_numpy(pos_host),
                     torch.from_numpy(np.where(in_context, rows, 0).astype(np.int64))))
         tokens = _tensor(token_ids).to(self.device, torch.long, non_blocking=True)
         pos = _tensor(positions).to(self.device, torch.long, non_blocking=True)
@@ -415,10 +418,11 @@ class ModelRunner:
         if self.compiled is not None:
             self.compiled.close()
 
-    def step(self, buffers: Any, num_tokens: int, num_seqs: int) -> torch.Tensor:
-        """:meth:`forward` over a :class:`stride.ipc.layouts.StepBuffers` (views, no copies)."""
+    def step(self, buffers: Any, num_tokens: int, num_seqs: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` over a :class:`stride.ipc.layouts.StepBuffers` (views, no copies); ``token_ids`` (on the
+        device) in place of the buffers' own."""
         return self.forward(
-            buffers.token_ids[:num_tokens],
+            buffers.token_ids[:num_tokens] if token_ids is None else token_ids,
             buffers.positions[:num_tokens],
             buffers.seq_slots[:num_seqs],
             buffers.query_lens[:num_seqs],

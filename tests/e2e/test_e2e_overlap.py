@@ -28,9 +28,9 @@ PREAMBLE = "Here is a long story about many things, told slowly and in great det
 than the pool's 12 blocks."""
 
 
-def _serve(*extra: str) -> tuple[list[dict[str, Any]], float]:
+def _serve(*extra: str) -> tuple[list[dict[str, Any]], float, float]:
     """Every prompt at once, greedy, 44 tokens with two top log-probs; every other one with a stop string.
-    Returns the choices in prompt order and the launch's preemption count."""
+    Returns the choices in prompt order, the launch's preemption count and its steps launched early."""
     with StrideServer("--max-num-seqs", "8", "--num-blocks", "12", "--block-size", "16", "--max-model-len", "256",
                       *extra) as srv:
         def one(i: int) -> dict[str, Any]:
@@ -45,8 +45,9 @@ def _serve(*extra: str) -> tuple[list[dict[str, Any]], float]:
             choices = list(pool.map(one, range(len(PROMPTS))))
         time.sleep(1.2)  # the scheduler's counters reach the frontend every half second
         preemptions = srv.metric("stride:num_preemptions_total")
+        early = srv.metric("stride:early_steps_total")
     assert srv.leftovers() == [], srv.tail()
-    return choices, preemptions
+    return choices, preemptions, early
 
 
 def _agree(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -61,8 +62,8 @@ def _agree(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_greedy_outputs_equal_with_overlap_on_and_off_under_preemption_and_stop_strings() -> None:
-    on, on_preempted = _serve()
-    off, off_preempted = _serve("--no-overlap")
+    on, on_preempted, _ = _serve()
+    off, off_preempted, _ = _serve("--no-overlap")
     assert on_preempted > 0 and off_preempted > 0  # the pool was too small for every request at once
     assert any(c["finish_reason"] == "stop" for c in on)  # a stop string cut some
     for a, b in zip(on, off, strict=True):
@@ -73,6 +74,21 @@ def test_greedy_outputs_equal_with_overlap_on_and_off_under_preemption_and_stop_
     if tops[0] - tops[1] >= NEAR_TIE:
         with pytest.raises(AssertionError):
             _agree(changed, off[0])
+
+
+@pytest.mark.slow
+def test_greedy_outputs_equal_with_early_launch_under_preemption_and_stop_strings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Early launch (on by default on a GPU only): rank 0 launches a step built ahead before it reports the step in
+    flight, the placeholder tokens filled from that step's sampled tokens on the device, not the host's copy."""
+    monkeypatch.setenv("STRIDE_EARLY_LAUNCH", "1")
+    early, preempted, launched_early = _serve()
+    monkeypatch.setenv("STRIDE_EARLY_LAUNCH", "0")
+    off, _, not_early = _serve("--no-overlap")
+    assert preempted > 0 and any(c["finish_reason"] == "stop" for c in early)
+    assert launched_early > 0 and not_early == 0  # the path ran (and the counter counts only it)
+    for a, b in zip(early, off, strict=True):
+        _agree(a, b)
 
 
 @pytest.mark.slow

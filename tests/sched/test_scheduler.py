@@ -172,8 +172,8 @@ def test_step_timeline_counts_busy_time_only() -> None:
     t.done(2.0, worker_s=0.7, device_s=0.5, graphed=True)
     t.idle()  # nothing followed: the next 3 s are idle, nobody's overhead
     t.sent(5.0)
-    t.done(5.5, worker_s=0.4, device_s=0.3)
-    assert (t.steps, t.round_trip_s, t.gap_s) == (3, 2.25, 0.25)
+    t.done(5.5, worker_s=0.4, device_s=0.3, early=True)
+    assert (t.steps, t.round_trip_s, t.gap_s, t.early_steps) == (3, 2.25, 0.25, 1)
     assert (round(t.worker_s, 9), round(t.device_s, 9)) == (1.9, 1.4)
     assert (t.graph_steps, t.graph_device_s) == (1, 0.5)
     # Control: without the idle mark the 3 s would count as the scheduler's.

@@ -109,7 +109,7 @@ def test_cpu_worker_trims_the_heap_after_large_steps_only(monkeypatch: pytest.Mo
     monkeypatch.setattr(cpu_int4, "trim_heap", lambda: trims.append(1))
 
     class Runner:
-        def step(self, buf: object, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        def step(self, buf: object, num_tokens: int, num_seqs: int, token_ids: object = None) -> torch.Tensor:
             return torch.zeros(num_seqs, 8)
 
     def run(device: str, num_tokens: int) -> None:
