@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from e2e_helpers import StrideServer
+
+from stride.client import Client
 
 NEAR_TIE = 0.05
 PROMPTS = ["The capital of France is", "Water is made of", "Once upon a time, there was a",
@@ -89,6 +92,33 @@ def test_greedy_outputs_equal_with_early_launch_under_preemption_and_stop_string
     assert launched_early > 0 and not_early == 0  # the path ran (and the counter counts only it)
     for a, b in zip(early, off, strict=True):
         _agree(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_early_launch_on_cuda_gives_the_tokens_of_one_step_at_a_time(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU early launch is the default: the tokens come back through pinned memory behind a CUDA event and the
+    next step's are filled on the device, from decode graphs. Requests one at a time, so both launches run the same
+    steps and bf16 greedy tokens must match exactly."""
+    from worker_helpers import make_checkpoint
+
+    path = make_checkpoint("smollm2-135m", tmp_path / "m", torch.bfloat16, num_layers=4)
+
+    def serve(early: str) -> tuple[list[list[int]], float]:
+        monkeypatch.setenv("STRIDE_EARLY_LAUNCH", early)
+        with StrideServer("--model", str(path), "--dtype", "bfloat16", "--max-model-len", "512") as srv:
+            with Client(f"ipc://{srv.run_dir}/client.sock", timeout=120) as c:
+                outs = [c.generate(p, max_tokens=40, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
+            time.sleep(1.2)
+            launched_early = srv.metric("stride:early_steps_total")
+        assert srv.leftovers() == [], srv.tail()
+        return outs, launched_early
+
+    (on, early), (off, none) = serve("1"), serve("0")
+    assert early >= len(PROMPTS) * 30 and none == 0
+    assert on == off
+    assert len({tuple(t) for t in on}) > 1  # control: the prompts led to different outputs
 
 
 @pytest.mark.slow
