@@ -61,13 +61,14 @@ class FakeServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """Stride's step-timeline counters, grown by each request: 10 steps of 4 ms round trip, 3 ms on rank 0,
-        2 ms on the device, 1 ms of scheduler gap each; 6 of them graph replays of 1 ms device each (and a counter of
-        another name that must not count)."""
+        2 ms on the device, 1 ms of scheduler gap each; 6 of them graph replays of 1 ms device each, 5 launched early
+        (and a counter of another name that must not count)."""
         n = 10 * len(self.bodies)
         lines = [f'stride:steps_total{{model_name="m"}} {n}', f"stride:step_device_seconds_total {0.002 * n}",
                  f"stride:step_worker_seconds_total {0.003 * n}", f"stride:step_round_trip_seconds_total {0.004 * n}",
                  f"stride:step_gap_seconds_total {0.001 * n}", "stride:steps_other_total 99",
-                 f"stride:graph_steps_total {0.6 * n}", f"stride:graph_step_device_seconds_total {0.0006 * n}"]
+                 f"stride:graph_steps_total {0.6 * n}", f"stride:graph_step_device_seconds_total {0.0006 * n}",
+                 f"stride:early_steps_total {0.5 * n}"]
         return web.Response(text="\n".join(lines) + "\n")
 
     async def _main(self) -> None:
@@ -199,10 +200,11 @@ def test_step_timeline_from_the_servers_counters() -> None:
     assert t["mean_cycle_ms"] == pytest.approx(5.0)
     assert (t["device"], t["worker_host"], t["transport"], t["scheduler"]) == pytest.approx((0.4, 0.2, 0.2, 0.2))
     # 24 graph steps of 1 ms, 16 eager ones sharing the rest of the device's 80 ms: 3.5 ms each.
-    assert (t["graph_steps"], t["graph_step_ms"], t["eager_step_ms"]) == pytest.approx((24, 1.0, 3.5))
+    assert (t["graph_steps"], t["graph_step_ms"], t["eager_step_ms"], t["early_steps"]) == pytest.approx(
+        (24, 1.0, 3.5, 20))
     text = bench.format_summary(summary)
     assert "step timeline        40 steps, 5.00 ms per cycle: device 40%" in text
-    assert "24 steps on decode graphs (1.00 ms of device each), 16 eager (3.50 ms)" in text
+    assert "24 steps on decode graphs (1.00 ms of device each), 16 eager (3.50 ms); 20 launched early" in text
     with FakeServer() as server:
         summary, _ = asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "2",
                                                            "--output-len", "3")))
