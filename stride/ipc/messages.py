@@ -119,7 +119,8 @@ class StepDone(Message):
     error: str | None = None
     failed: list[SequenceFailure] = field(default_factory=list)
     worker_s: float = 0.0
-    """Rank 0's wall time on the step, from taking the descriptor to answering."""
+    """Rank 0's wall time on the step, from taking the descriptor (or, with early launch, from answering the step
+    before, if that came later) to answering."""
     device_s: float = 0.0
     """Of that, the device's span (CUDA events around the forward and the sampling; on the CPU the same as
     ``worker_s`` less the message handling)."""

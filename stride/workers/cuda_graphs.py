@@ -164,8 +164,8 @@ class DecodeGraphs:
             g.copied.synchronize()  # the last step's copies out of the host buffers are done
         ints = g.host_ints.numpy()
         ints[:, num_seqs:] = np.array([[0], [0], [1]])
-        on_device = isinstance(token_ids, torch.Tensor) and token_ids.device.type != "cpu"
-        ints[0, :num_seqs] = 0 if on_device else np.asarray(token_ids)
+        on_device = token_ids if isinstance(token_ids, torch.Tensor) and token_ids.device.type != "cpu" else None
+        ints[0, :num_seqs] = 0 if on_device is not None else np.asarray(token_ids)
         ints[1, :num_seqs] = positions
         ints[2, :num_seqs] = context_lens
         host_tables = g.host_tables.numpy()
@@ -176,8 +176,8 @@ class DecodeGraphs:
         g.tables.copy_(g.host_tables, non_blocking=True)
         if g.copied is not None:
             g.copied.record()
-        if isinstance(token_ids, torch.Tensor) and on_device:
-            g.ints[0, :num_seqs].copy_(token_ids)
+        if on_device is not None:
+            g.ints[0, :num_seqs].copy_(on_device)
         if g.graph is not None:
             g.graph.replay()
         else:

@@ -56,12 +56,23 @@ class _Launched:
     """Sampled ids, their log-probs, top ids and top log-probs (or None), on the host once ``done`` has passed."""
     done: Any = None
     """CUDA event after the copies of ``outs``; None on the CPU (there the step ran as it was launched)."""
-    row_tokens: Any = None
-    """Device (num_seqs,): each row's sampled token, 0 where it sampled nothing; what a step built ahead fills its
-    placeholders with."""
+    tokens: Any = None
+    """Device: the sampled ids, one per row of ``rows`` (the first of ``outs`` before its copy)."""
+    rows_dev: Any = None
+    """``rows`` on the device, where not every row samples (None: every row does)."""
 
     def ready(self) -> bool:
         return self.done is None or bool(self.done.query())
+
+    def row_tokens(self, like: Any) -> Any:
+        """Device (num_seqs,): each row's sampled token, 0 where it sampled nothing (as the host's filling of a
+        step built ahead gives); ``like`` gives the dtype and device where no row sampled."""
+        import torch
+
+        if self.rows_dev is None and self.tokens is not None:
+            return self.tokens
+        out = torch.zeros(self.desc.num_seqs, dtype=like.dtype, device=like.device)
+        return out if self.tokens is None else out.index_copy_(0, self.rows_dev, self.tokens.to(like.dtype))
 
 
 def _needs_history(params: Any) -> bool:
@@ -166,9 +177,7 @@ class ModelStepper:
             ids = buf.token_ids[:t]
             if (ids < 0).any():
                 dev = self.sampler.upload(ids.astype(np.int64))
-                prev = before.row_tokens if before.row_tokens is not None else torch.zeros(
-                    before.desc.num_seqs, dtype=dev.dtype, device=dev.device)
-                token_ids = torch.where(dev < 0, prev[(-1 - dev).clamp(min=0)], dev)
+                token_ids = torch.where(dev < 0, before.row_tokens(dev)[(-1 - dev).clamp(min=0)], dev)
         logits = self.runner.step(buf, t, n, token_ids)
         if self.device_type == "cpu" and t >= TRIM_AFTER_TOKENS:
             from stride.workers.cpu_int4 import trim_heap  # torch's side of the worker (the sim one imports none)
@@ -194,9 +203,6 @@ class ModelStepper:
         rows_dev = None if len(rows) == n else self.sampler.upload(rows)
         picked = logits if rows_dev is None else logits[rows_dev]
         res = self.sampler.sample(picked, slots, allowed=allowed)
-        # Each row's token for a step launched next (0 where the row sampled nothing, as the host's filling gives).
-        row_tokens = res.token_ids if rows_dev is None else torch.zeros(
-            n, dtype=res.token_ids.dtype, device=res.token_ids.device).index_copy_(0, rows_dev, res.token_ids)
         k = 0 if res.top_ids is None else min(res.top_ids.shape[1], MAX_TOP_LOGPROBS)
         outs = [res.token_ids, res.logprobs, None if res.top_ids is None else res.top_ids[:, :k],
                 None if res.top_logprobs is None else res.top_logprobs[:, :k]]
@@ -206,7 +212,7 @@ class ModelStepper:
                 x, non_blocking=True) for x in outs]
             done = torch.cuda.Event()
             done.record()
-        return _Launched(desc, buf, failed, rows, outs, done, row_tokens)
+        return _Launched(desc, buf, failed, rows, outs, done, res.token_ids, rows_dev)
 
     def finish(self, step: _Launched) -> list[m.SequenceFailure]:
         """Wait for a launched step's tokens and write them (with their log-probs) into its bank."""
