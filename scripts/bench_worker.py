@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from stride import env
 from stride.config import WorkerConfig
 from stride.kernels.common import set_pdl
 from stride.workers.backends import get_backend
@@ -179,10 +180,11 @@ def main() -> int:
     need = max(batches) * -(-(args.prompt_len + args.steps + 1) // 16)
     t = time.perf_counter()
     backends = [b for b in args.backends.split(",") if b]
-    # With --graphs the runner starts on the triton backend, so that it builds its decode graphs.
+    # With --graphs the runner starts on the triton backend, so that it builds its decode graphs; without
+    # --backends it takes the configured one (STRIDE_ATTENTION_BACKEND, else the device's default).
     worker = WorkerConfig(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=args.graphs,
-                          attention_backend="triton" if args.graphs else backends[0] if backends else "",
-                          quantize=args.quantize)
+                          attention_backend="triton" if args.graphs else backends[0] if backends
+                          else env.ATTENTION_BACKEND.get(), quantize=args.quantize)
     runner = ModelRunner(RunnerConfig(worker, num_blocks=need))
     if runner.compiled is not None and runner.compiled.building:  # the first start on this machine
         print("waiting for the compiled CPU decode step to build (STRIDE_CPU_COMPILE=0 times the eager step)",
