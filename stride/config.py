@@ -262,7 +262,8 @@ class WorkerConfig:
     """``w4a16`` or ``w4a16-g<N>``: quantise the checkpoint's projections to 4 bits at load, in groups of N inputs
     (128 by default), and run them on the W4A16 GEMM; empty or ``none``: as stored."""
     attention_backend: str = field(default_factory=env.ATTENTION_BACKEND.get)
-    """``torch`` (the reference) or ``triton`` (the kernels); empty: triton on CUDA, torch elsewhere."""
+    """``torch`` (the reference), ``sdpa`` (the reference with attention in the run dtype) or ``triton`` (the
+    kernels); empty: triton on CUDA, sdpa elsewhere."""
     cpu_int4: bool = field(default_factory=env.CPU_INT4.get_bool)
     """On a CPU in bf16, projections whose weights lie on a 4-bit grid (a GGUF's Q4_1) also keep it packed, and small
     steps (up to 4 rows with native bf16, 64 where it is emulated) run on it (:mod:`stride.workers.cpu_int4`)."""
@@ -293,8 +294,8 @@ class WorkerConfig:
         _positive(self, "tensor_parallel_size")
         if self.hang_timeout_s <= 2 * HEARTBEAT_INTERVAL_S:
             raise ValueError(f"hang_timeout_s must exceed two heartbeats ({2 * HEARTBEAT_INTERVAL_S} s)")
-        if self.attention_backend not in ("", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in ("", "torch", "sdpa", "triton"):
+            raise ValueError(f"attention_backend must be 'torch', 'sdpa' or 'triton', got {self.attention_backend!r}")
         if self.w4a16.strip().lower() not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"w4a16 must be '1', '0' or empty, got {self.w4a16!r}")
         if self.num_threads < 0:

@@ -48,7 +48,8 @@ LOG_LEVEL = EnvVar("STRIDE_LOG_LEVEL", "INFO", "Log level of every Stride proces
 DEVICE = EnvVar("STRIDE_DEVICE", "", "Force the worker device (cpu, cuda); default: cuda when present.")
 ATTENTION_BACKEND = EnvVar(
     "STRIDE_ATTENTION_BACKEND", "",
-    "Worker attention/norm backend: 'torch' (reference) or 'triton'; default: triton on CUDA, torch on CPU.")
+    "Worker attention/norm backend: 'torch' (reference), 'sdpa' (the reference with attention in the run dtype) or "
+    "'triton'; default: triton on CUDA, sdpa on CPU.")
 W4A16 = EnvVar(
     "STRIDE_W4A16", "",
     "Keep a GGUF's Q4_0/Q4_1 linear weights 4-bit and run them through the W4A16 Triton GEMM: '1' on, '0' off "

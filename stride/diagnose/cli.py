@@ -27,8 +27,8 @@ DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="HF checkpoint directory or GGUF file (default: SmolLM2-135M)")
     p.add_argument("--a", required=True, metavar="SPEC",
-                   help="the run under test: hf, or tp=N,backend=torch|triton,dtype=...,quantize=w4a16,kv=auto|fp8,"
-                        "graphs=on|off,device=cpu|cuda")
+                   help="the run under test: hf, or tp=N,backend=torch|sdpa|triton,dtype=...,quantize=w4a16,"
+                        "kv=auto|fp8,graphs=on|off,device=cpu|cuda")
     p.add_argument("--b", required=True, metavar="SPEC", help="the reference run, same form")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", default="", metavar="FILE", help="prompts, one per line")

@@ -1,7 +1,7 @@
 """One side of a comparison (``--a``/``--b`` SPEC) and the error band expected of a pair.
 
 A SPEC is ``hf`` (HuggingFace transformers, the reference) or comma-separated settings of a Stride run:
-``tp=N``, ``backend=torch|triton`` (attention and fused layers), ``dtype=float32|bfloat16|float16``,
+``tp=N``, ``backend=torch|sdpa|triton`` (attention and fused layers), ``dtype=float32|bfloat16|float16``,
 ``quantize=w4a16[-g<N>]``, ``kv=auto|fp8`` (the KV cache's dtype, as ``--kv-dtype``), ``graphs=on|off`` (decode
 steps from CUDA graphs), ``device=cpu|cuda``. ``hf`` takes ``dtype`` and ``device`` too (``hf,dtype=bfloat16``).
 Unset settings are float32, one rank, the device's default backend, K/V in the run dtype, no graphs.
@@ -65,8 +65,8 @@ class RunSpec:
                     raise ValueError(f"tp must be a positive integer, got {value!r}")
                 values["tp"] = int(value)
             elif key == "backend":
-                if value not in ("torch", "triton"):
-                    raise ValueError(f"backend must be torch or triton, got {value!r}")
+                if value not in ("torch", "sdpa", "triton"):
+                    raise ValueError(f"backend must be torch, sdpa or triton, got {value!r}")
                 values["backend"] = value
             elif key == "dtype":
                 if value not in DTYPE_BANDS:

@@ -1,6 +1,6 @@
-"""Attention backends by name: ``torch`` (the reference, anywhere) and ``triton`` (the kernels; CUDA, or Triton's
-interpreter on a CPU). The worker asks for one with :func:`get_backend`; new backends join with
-:func:`register_backend`."""
+"""Attention backends by name: ``torch`` (the reference, anywhere), ``sdpa`` (the reference's code with attention in
+the run dtype; the CPU's default) and ``triton`` (the kernels; CUDA, or Triton's interpreter on a CPU). The worker
+asks for one with :func:`get_backend`; new backends join with :func:`register_backend`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from stride import env
-from stride.workers.attention import AttentionBackend, TorchPagedAttention
+from stride.workers.attention import AttentionBackend, SdpaPagedAttention, TorchPagedAttention
 
 
 def _triton_backend() -> AttentionBackend:
@@ -29,7 +29,7 @@ def _triton_backend() -> AttentionBackend:
     return TritonPagedAttention()
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchPagedAttention}
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchPagedAttention, "sdpa": SdpaPagedAttention}
 if importlib.util.find_spec("triton") is not None:
     _BACKENDS["triton"] = _triton_backend
 
@@ -40,9 +40,9 @@ def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None
 
 
 def get_backend(name: str = "", device_type: str = "cpu") -> AttentionBackend:
-    """The backend ``name``; empty picks ``triton`` on CUDA when it is there and ``torch`` otherwise."""
+    """The backend ``name``; empty picks ``triton`` on CUDA when it is there and ``sdpa`` otherwise."""
     if not name:
-        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch"
+        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "sdpa"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

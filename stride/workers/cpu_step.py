@@ -103,10 +103,12 @@ class DecodeStep(nn.Module):
     caches, layer by layer) and returns the final-norm hidden states (the head runs after it, eagerly: its weight may
 be in oneDNN's layout, which the package cannot take)."""
 
-    def __init__(self, model: nn.Module, block_size: int) -> None:
+    def __init__(self, model: nn.Module, block_size: int, attention: str = "torch") -> None:
         super().__init__()
         self.model = model
         self.block_size = block_size
+        self.attention = attention
+        """The attention backend whose decode path the step is made of: ``torch`` or ``sdpa``, as the worker's."""
         self.names = [name for name, _ in weight_tensors(model)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
@@ -118,7 +120,7 @@ be in oneDNN's layout, which the package cannot take)."""
 
         layers = len(caches) // 2
         meta = AttentionMetadata.decode_only(positions, blocks, self.block_size)
-        ctx = AttentionContext(meta, get_backend("torch", "cpu"), list(caches[:layers]), list(caches[layers:]))
+        ctx = AttentionContext(meta, get_backend(self.attention, "cpu"), list(caches[:layers]), list(caches[layers:]))
         dense = dict(zip(self.names, weights, strict=True))
         swapped = _swap_small_steps(self.model, dense)
         try:
@@ -150,11 +152,11 @@ def _restore_small_steps(model: nn.Module, originals: dict[str, torch.Tensor]) -
         setattr(getattr(model.get_submodule(path), slot), field_name, tensor)
 
 
-def export(model: nn.Module, caches: Sequence[torch.Tensor], step: StepRange) -> Any:
+def export(model: nn.Module, caches: Sequence[torch.Tensor], step: StepRange, attention: str = "torch") -> Any:
     """``torch.export`` of :class:`DecodeStep` over ``step``'s range, the pool size dynamic too."""
     from torch.export import Dim
 
-    module = DecodeStep(model, step.block_size)
+    module = DecodeStep(model, step.block_size, attention)
     rows = 2 if step.min_rows <= 2 <= step.max_rows else step.min_rows
     nblocks = min(3, step.max_blocks)
     pool = caches[0].shape[0]
@@ -247,7 +249,8 @@ class BackgroundStep:
 
     ``settings``: what the child loads the model with (``model`` a file or folder, ``dtype``, ``cpu_int4``,
     ``cpu_int8_head`` as in :class:`~stride.config.WorkerConfig`, ``native_bf16`` as
-    :func:`stride.workers.runner.cpu_has_bf16` says), and part of the package's key."""
+    :func:`stride.workers.runner.cpu_has_bf16` says, ``attention`` the worker's backend), and part of the package's
+    key."""
 
     def __init__(self, settings: dict[str, Any], step: StepRange, model: nn.Module,
                  caches: Sequence[torch.Tensor]) -> None:
@@ -344,7 +347,7 @@ def _build(spec: dict[str, Any]) -> None:
                          settings.get("embedding_rows", False))
     cache = KVCache(model.args, 2, step.block_size, "cpu", dtype)  # type: ignore[arg-type]
     print(f"loaded in {time.monotonic() - started:.1f} s", flush=True)
-    exported = export(model, cache.k_caches + cache.v_caches, step)
+    exported = export(model, cache.k_caches + cache.v_caches, step, settings.get("attention", "torch"))
     print(f"exported in {time.monotonic() - started:.1f} s", flush=True)
     out.with_suffix(".json").write_text(json.dumps({"weights": DecodeStep(model, step.block_size).names,
                                                     "step": asdict(step)}))

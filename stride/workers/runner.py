@@ -317,11 +317,11 @@ class ModelRunner:
                        config: RunnerConfig) -> BackgroundStep | None:
         """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
         take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
-        one CPU rank under the reference attention, with packed copies and a cache in the run dtype (on this CPU the
-        compiled step is 1.7x eager at one row, 1.2x at four, and slower than eager where the steps multiply in bf16:
-        perf-log)."""
+        one CPU rank under the ``torch`` or ``sdpa`` attention, with packed copies and a cache in the run dtype (on this
+        CPU the compiled step is 1.7x eager at one row, 1.2x at four, and slower than eager where the steps multiply in
+        bf16: perf-log)."""
         worker = config.worker
-        if not (worker.cpu_compile and self.device.type == "cpu" and self.backend.name == "torch"
+        if not (worker.cpu_compile and self.device.type == "cpu" and self.backend.name in ("torch", "sdpa")
                 and not self.args.num_experts and self.tp.size == 1 and self.kv_dtype == self.dtype):
             return None
         from stride.workers import cpu_step
@@ -333,6 +333,7 @@ class ModelRunner:
 
         settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
                     "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16,
+                    "attention": self.backend.name,
                     "embedding_rows": embedding_rows}
         step = cpu_step.StepRange(1, small_step_rows, self.table_width, self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from worker_helpers import make_runner
 
 from stride.workers import attention
-from stride.workers.attention import AttentionMetadata, TorchPagedAttention
+from stride.workers.attention import AttentionMetadata, SdpaPagedAttention, TorchPagedAttention
 from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,8 @@ def test_the_traceable_decode_step_equals_dense_attention() -> None:
     assert (backend.attend(q, k_cache, v_cache, wrong, dim**-0.5).double() - expected).abs().max().item() > 1e-2
 
 
-def sdpa_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float):
+def sdpa_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+               exact: bool = True):
     """The reference's attention as it was: SDPA in the run dtype, which rounds inside (negative control)."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
@@ -155,6 +156,31 @@ def test_16bit_attention_is_float32_rounded_once(dtype: torch.dtype, monkeypatch
     monkeypatch.setattr(attention, "_sdpa", sdpa_16bit)
     inside = backend.attend(q, k_cache, v_cache, meta, scale)
     assert (inside == want).double().mean().item() < 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_sdpa_backend_is_the_reference_in_the_run_dtype(dtype: torch.dtype) -> None:
+    # Decodes (grouped heads, one query each) and prefill chunks, as above: within a few 16-bit roundings of the
+    # float32 reference, yet not the reference's once-rounded result (it does round inside), and the reference
+    # itself when the run dtype is float32.
+    ctx_lens, q_lens = [1024, 1, 17, 300, 64 * 16 - 5, 40], [1, 1, 1, 33, 1, 40]
+    reference, q, k_cache, v_cache, meta, scale, _ = _paged_case(0, ctx_lens, q_lens)
+    fast = SdpaPagedAttention()
+    exact = reference.attend(q, k_cache, v_cache, meta, scale)
+    assert torch.equal(fast.attend(q, k_cache, v_cache, meta, scale), exact)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    want = reference.attend(q, k_cache, v_cache, meta, scale)
+    got = fast.attend(q, k_cache, v_cache, meta, scale)
+    assert got.dtype == dtype
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(0.25)
+    assert ((got.float() - want.float()).abs() <= 4 * ulp).all()
+    assert (got == want).double().mean().item() < 0.99
+    # Negative control: one table entry pointing at another sequence's block is far outside those roundings.
+    tables = meta.block_tables.clone()
+    tables[3, 5] = tables[0, 0]
+    meta.block_tables, meta.memo = tables, {}
+    wrong = fast.attend(q, k_cache, v_cache, meta, scale)
+    assert not ((wrong.float() - want.float()).abs() <= 4 * ulp).all()
 
 
 @pytest.fixture(scope="module")

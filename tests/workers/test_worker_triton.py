@@ -105,7 +105,7 @@ def test_fp8_kv_cache_both_backends(tiny_path: Path) -> None:
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("STRIDE_ATTENTION_BACKEND", raising=False)
-    assert get_backend(WorkerConfig().attention_backend, "cpu").name == "torch"
+    assert get_backend(WorkerConfig().attention_backend, "cpu").name == "sdpa"
     assert get_backend(WorkerConfig().attention_backend, "cuda").name == "triton"
     monkeypatch.setenv("STRIDE_ATTENTION_BACKEND", "triton")  # the variable supplies the config's default
     assert get_backend(WorkerConfig().attention_backend, "cpu").name == "triton"
