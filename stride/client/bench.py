@@ -340,9 +340,9 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"step timeline        {t['steps']:.0f} steps, {t['mean_cycle_ms']:.2f} ms per cycle: device "
                      f"{t['device']:.0%}, worker host {t['worker_host']:.0%}, transport {t['transport']:.0%}, "
                      f"scheduler {t['scheduler']:.0%}")
-        lines.append(f"{'':<21}{t['graph_steps']:.0f} steps on decode graphs ({t['graph_step_ms']:.2f} ms of device "
-                     f"each), {t['steps'] - t['graph_steps']:.0f} eager ({t['eager_step_ms']:.2f} ms); "
-                     f"{t['early_steps']:.0f} launched early")
+        lines.append(f"{'':<21}{t['graph_steps']:.0f} steps on decode graphs or the compiled CPU step "
+                     f"({t['graph_step_ms']:.2f} ms of device each), {t['steps'] - t['graph_steps']:.0f} eager "
+                     f"({t['eager_step_ms']:.2f} ms); {t['early_steps']:.0f} launched early")
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 

@@ -57,8 +57,8 @@ class FrontendMetrics:
                                        "answer back at the scheduler.")
         self.step_gap = counter("stride:step_gap_seconds", "From a step's answer to the next step sent, when one "
                                 "followed at once: the scheduler's share of busy time.")
-        self.graph_steps = counter("stride:graph_steps", "Steps whose forward replayed a decode CUDA graph (the "
-                                   "others ran eagerly).")
+        self.graph_steps = counter("stride:graph_steps", "Steps whose forward replayed a decode CUDA graph, or on a "
+                                   "CPU ran the compiled decode step (the others ran eagerly).")
         self.graph_step_device = counter("stride:graph_step_device_seconds", "Device span of the graph steps.")
         self.early_steps = counter("stride:early_steps", "Steps the worker launched before reporting the step "
                                    "before (their input tokens taken on the device: no host round trip between).")

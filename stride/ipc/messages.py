@@ -125,7 +125,8 @@ class StepDone(Message):
     """Of that, the device's span (CUDA events around the forward and the sampling; on the CPU the same as
     ``worker_s`` less the message handling)."""
     graphed: bool = False
-    """The forward replayed a decode graph (else it ran eagerly: a step with prefill, or past the graphs)."""
+    """The forward replayed a decode graph, or on a CPU ran the compiled decode step (else it ran eagerly: a step
+    with prefill, or past the graphs' or the compiled step's sizes)."""
     early: bool = False
     """Launched before the step before it was reported, its placeholder tokens taken on the device (early launch:
     the device did not wait for rank 0's host side between the two)."""

@@ -133,8 +133,8 @@ class ModelStepper:
 
     @property
     def graphed(self) -> bool:
-        """Whether the last step replayed a decode graph."""
-        return self.runner.last_step_graphed
+        """Whether the last step ran a captured decode step: a CUDA graph, or on a CPU the compiled step."""
+        return self.runner.last_step_graphed or self.runner.last_step_compiled
 
     def run(self, desc: m.StepDescriptor, buf: StepBank,
             masks: Callable[[int], np.ndarray] | None = None) -> list[m.SequenceFailure]:
