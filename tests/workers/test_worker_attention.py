@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from worker_helpers import make_runner
 
 from stride.workers import attention
-from stride.workers.attention import AttentionMetadata, SdpaPagedAttention, TorchPagedAttention
+from stride.workers.attention import FP8_KV, AttentionMetadata, SdpaPagedAttention, TorchPagedAttention
 from stride.workers.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,6 +175,16 @@ def test_the_sdpa_backend_is_the_reference_in_the_run_dtype(dtype: torch.dtype) 
     ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(0.25)
     assert ((got.float() - want.float()).abs() <= 4 * ulp).all()
     assert (got == want).double().mean().item() < 0.99
+    # An 8-bit cache (V stored keys-inner, as stride/workers/kv_cache.py lays it out): its values are exact in the
+    # run dtype, so the same bound holds.
+    k8 = k_cache.to(FP8_KV)
+    v8 = v_cache.to(FP8_KV).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert not v8.is_contiguous()
+    want8 = reference.attend(q, k8, v8, meta, scale)
+    got8 = fast.attend(q, k8, v8, meta, scale)
+    ulp8 = torch.finfo(dtype).eps * want8.float().abs().clamp_min(0.25)
+    assert ((got8.float() - want8.float()).abs() <= 4 * ulp8).all()
+    assert not torch.equal(want8, want)
     # Negative control: one table entry pointing at another sequence's block is far outside those roundings.
     tables = meta.block_tables.clone()
     tables[3, 5] = tables[0, 0]
