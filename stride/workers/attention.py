@@ -214,11 +214,11 @@ class TorchPagedAttention:
         if plan is None:
             plan = meta.memo["torch"] = _TorchPlan.build(meta, q.device)
         if plan.decode_only:  # every token is its sequence's one query, in order: no gather or scatter of q
-            return _sdpa(q[:, None], *_gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len),
+            return _sdpa(q[:, None], *_gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len, plan.scratch),
                          plan.decode_mask, scale, self.exact)[:, 0]
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
-            k, v = _gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len)
+            k, v = _gather(k_cache, v_cache, plan.decode_blocks, plan.decode_len, plan.scratch)
             out[plan.decode_tokens] = _sdpa(q[plan.decode_tokens][:, None], k, v, plan.decode_mask, scale,
                                            self.exact)[:, 0]
         for lo, hi, blocks, ctx, allowed in plan.chunks:
@@ -252,6 +252,9 @@ class _TorchPlan:
     """(decodes, 1, decode_len) bool: key j visible to decode i."""
     chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]
     """Per prefill chunk: its rows of q ``lo:hi``, (1, blocks) block ids, context length, (1, L, ctx) mask."""
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The decodes' gathered K and V, one buffer each for every layer of the step (a layer's attention is done with
+    them before the next layer gathers): a fresh ~1 MB output a layer cost the CPU's 16-row step ~13 us a gather."""
 
     @staticmethod
     def build(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
@@ -281,14 +284,28 @@ class _TorchPlan:
 
 
 def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, length: int,
+    scratch: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, length, num_kv_heads, head_dim) keys and values of the (n, blocks) int64 block ids ``blocks``."""
+    """(n, length, num_kv_heads, head_dim) keys and values of the (n, blocks) int64 block ids ``blocks``, written into
+    ``scratch``'s buffers when given (made there at the first call; not while compiling, where outputs are fresh)."""
     # index_select on the caches' rows, not advanced indexing: 8-10x faster on the CPU (16 rows, 100 keys).
     n, ids = blocks.shape[0], blocks.reshape(-1)
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, ids).view(n, -1, *k_cache.shape[2:])[:, :length]
+    if torch.compiler.is_compiling():
+        scratch = None
+
+    def rows(cache: torch.Tensor, name: str) -> torch.Tensor:
+        flat = cache.view(cache.shape[0], -1)
+        if scratch is None:
+            return flat.index_select(0, ids)
+        buf = scratch.get(name)
+        if buf is None or buf.dtype != flat.dtype or buf.shape[1] != flat.shape[1]:
+            buf = scratch[name] = flat.new_empty(ids.shape[0], flat.shape[1])
+        return torch.index_select(flat, 0, ids, out=buf)
+
+    k = rows(k_cache, "k").view(n, -1, *k_cache.shape[2:])[:, :length]
     if v_cache.is_contiguous():
-        v = v_cache.view(v_cache.shape[0], -1).index_select(0, ids).view(n, -1, *v_cache.shape[2:])[:, :length]
+        v = rows(v_cache, "v").view(n, -1, *v_cache.shape[2:])[:, :length]
     else:  # keys-inner (an 8-bit cache): the blocks as they are stored, then in the keys' order
         v = v_cache.index_select(0, ids).reshape(n, -1, *v_cache.shape[2:])[:, :length]
     return k, v
