@@ -24,6 +24,10 @@ def _positive(obj: object, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
+"""The attention backends a launch can name (:mod:`stride.workers.backends` builds them): ``torch`` the float32
+reference, ``sdpa`` the reference with attention in the run dtype, ``triton`` the kernels."""
+
 KV_DTYPES = ("auto", "fp8")
 """``--kv-dtype`` values: ``auto`` keeps K/V in the run dtype, ``fp8`` in float8_e4m3fn
 (:data:`stride.workers.attention.FP8_KV`)."""
@@ -294,8 +298,9 @@ class WorkerConfig:
         _positive(self, "tensor_parallel_size")
         if self.hang_timeout_s <= 2 * HEARTBEAT_INTERVAL_S:
             raise ValueError(f"hang_timeout_s must exceed two heartbeats ({2 * HEARTBEAT_INTERVAL_S} s)")
-        if self.attention_backend not in ("", "torch", "sdpa", "triton"):
-            raise ValueError(f"attention_backend must be 'torch', 'sdpa' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in ("", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} or empty, "
+                             f"got {self.attention_backend!r}")
         if self.w4a16.strip().lower() not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"w4a16 must be '1', '0' or empty, got {self.w4a16!r}")
         if self.num_threads < 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from stride.config import KV_DTYPES, quantize_group_size
+from stride.config import ATTENTION_BACKENDS, KV_DTYPES, quantize_group_size
 
 DTYPE_BANDS = {"float32": 2e-6, "float16": 4e-3, "bfloat16": 1e-2}
 """Relative error (‖a − b‖ / ‖b‖ of a layer's hidden states) that rounding alone stays under at the first point,
@@ -65,8 +65,8 @@ class RunSpec:
                     raise ValueError(f"tp must be a positive integer, got {value!r}")
                 values["tp"] = int(value)
             elif key == "backend":
-                if value not in ("torch", "sdpa", "triton"):
-                    raise ValueError(f"backend must be torch, sdpa or triton, got {value!r}")
+                if value not in ATTENTION_BACKENDS:
+                    raise ValueError(f"backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {value!r}")
                 values["backend"] = value
             elif key == "dtype":
                 if value not in DTYPE_BANDS:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from worker_helpers import Steps, count_calls, cpu_triton, gpu, make_checkpoint, make_runner
 
-from stride.config import WorkerConfig
+from stride.config import ATTENTION_BACKENDS, WorkerConfig
 from stride.kernels.paged_common import is_keys_inner
 from stride.workers.backends import get_backend
 
@@ -111,6 +111,11 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_backend(WorkerConfig().attention_backend, "cpu").name == "triton"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash", "cpu")
+    # Every name a launch may give is one the worker builds, and the config refuses the others at once.
+    for name in ATTENTION_BACKENDS:
+        assert get_backend(name, "cpu").name == name
+    with pytest.raises(ValueError, match="attention_backend must be one of torch, sdpa, triton"):
+        WorkerConfig(attention_backend="flash")
 
 
 def test_forward_rejects_position_past_context(tiny_path: Path) -> None:
