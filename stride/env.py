@@ -102,9 +102,17 @@ TRITON_INTERPRET = EnvVar(
     "Triton's own switch, read by Triton when it is first imported: '1' runs kernels in its interpreter on CPU "
     "tensors. The worker sets it when it picks the triton backend without CUDA.")
 
+ATEN_CPU_CAPABILITY = EnvVar(
+    "ATEN_CPU_CAPABILITY", "",
+    "PyTorch's own switch ('avx2', 'avx512', 'default'): the widest CPU kernels torch dispatches to. The worker's "
+    "choices follow it: with 'avx2' it takes the CPU for one without AVX-512, AMX or AVX-VNNI (an AVX2-only laptop's "
+    "paths, on a machine with more; set ONEDNN_MAX_CPU_ISA=AVX2 too, so that oneDNN's products follow: "
+    "scripts/bench_peer.py --isa avx2 sets both).")
+
 REGISTRY: tuple[EnvVar, ...] = (
     RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, CPU_INT8_HEAD,
     CPU_PACK, CPU_COMPILE, CPU_STEP_CACHE, CONTROL_NICE, AUTOTUNE_CACHE, PDL, EARLY_LAUNCH, TRITON_INTERPRET,
+    ATEN_CPU_CAPABILITY,
 )
 
 

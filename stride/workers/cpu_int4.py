@@ -36,6 +36,8 @@ from typing import TypeGuard
 import torch
 from torch import nn
 
+from stride import env
+
 log = logging.getLogger(__name__)
 
 GROUP = 32
@@ -354,13 +356,26 @@ def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
     return count, nbytes
 
 
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
+"""Prefixes of the /proc/cpuinfo flags an AVX2-only CPU (a Zen 3, most laptops before 2022) does not have."""
+
+
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here)."""
+    """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here), less those that torch
+    was told not to use: with ``ATEN_CPU_CAPABILITY=avx2`` every AVX-512, AMX and AVX-VNNI flag is dropped, with
+    ``default`` AVX2 and FMA too, so that the worker takes the paths of such a CPU (with oneDNN held to the same by
+    ``ONEDNN_MAX_CPU_ISA``: ``scripts/bench_peer.py --isa avx2`` sets both)."""
     try:
         with open(cpuinfo) as f:
-            return set(f.read().split())
+            flags = set(f.read().split())
     except OSError:
         return set()
+    capability = env.ATEN_CPU_CAPABILITY.get().strip().lower()
+    if capability in ("avx2", "default"):
+        flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
+    if capability == "default":
+        flags -= {"avx2", "fma"}
+    return flags
 
 
 def trim_heap() -> None:

@@ -47,6 +47,7 @@ def test_cpu_default_dtype_is_bf16_with_native_bf16_or_avx2(tmp_path: Path, monk
 
     from stride.workers import runner
 
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     (tmp_path / "bf16").write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n")
     (tmp_path / "amx").write_text("flags\t\t: fpu amx_tile amx_bf16\n")
     (tmp_path / "avx2").write_text("flags\t\t: fpu sse avx2 avx512f\n")
@@ -55,6 +56,16 @@ def test_cpu_default_dtype_is_bf16_with_native_bf16_or_avx2(tmp_path: Path, monk
     assert not runner.cpu_has_bf16(str(tmp_path / "avx2")) and not runner.cpu_has_bf16(str(tmp_path / "none"))
     runs = {name: runner.cpu_runs_bf16(str(tmp_path / name)) for name in ("bf16", "amx", "avx2", "old", "none")}
     assert runs == {"bf16": True, "amx": True, "avx2": True, "old": False, "none": False}
+    # torch told to stay at AVX2 (ATEN_CPU_CAPABILITY): the worker takes the CPU for an AVX2-only one, and at
+    # 'default' (no AVX2 kernels) for an older one.
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not runner.cpu_has_bf16(str(tmp_path / "bf16")) and not runner.cpu_has_bf16(str(tmp_path / "amx"))
+    assert runner.cpu_runs_bf16(str(tmp_path / "bf16"))
+    assert runner.cpu_flags(str(tmp_path / "bf16")) == {"flags", ":", "fpu", "sse", "avx2"}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert not runner.cpu_runs_bf16(str(tmp_path / "bf16"))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert runner.cpu_has_bf16(str(tmp_path / "bf16"))
     for bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(runner, "cpu_runs_bf16", lambda bf16=bf16: bf16)
         assert runner.resolve_device_dtype("cpu", "") == (torch.device("cpu"), want)
