@@ -143,9 +143,13 @@ def num_blocks_for_memory(
 
 
 def free_device_bytes(device: torch.device, memory_utilization: float) -> int:
-    """On CUDA: ``total × memory_utilization`` minus what this process and others already hold."""
+    """On CUDA: ``total × memory_utilization`` minus what this process's tensors and other processes hold. Blocks
+    this process's caching allocator keeps after their tensors were freed (a load's temporaries, an earlier runner's
+    cache in the same process) count as free: the allocator hands them out again, or returns them to the driver when
+    an allocation would otherwise fail."""
     if device.type != "cuda":
         raise ValueError("free memory is measured on CUDA only; give num_blocks on CPU")
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    used = total - free - cached
     return max(0, int(total * memory_utilization) - used)
