@@ -316,10 +316,10 @@ class ModelRunner:
     def _compiled_step(self, small_step_rows: int, native_bf16: bool, embedding_rows: bool,
                        config: RunnerConfig) -> BackgroundStep | None:
         """The compiled CPU decode step (:mod:`stride.workers.cpu_step`) for the steps the packed small-step weights
-        take (1..``small_step_rows`` sequences, no more than a step may hold), loaded or being built; None where it
-        does not apply: a dense model on one CPU rank under the ``torch`` or ``sdpa`` attention, with packed copies
-        and a cache in the run dtype (on this CPU the compiled step is 1.7x eager at one row, 1.2x at four, and slower
-        than eager where the steps multiply in bf16: perf-log)."""
+        take (1..``small_step_rows`` sequences), loaded or being built; None where it does not apply: a dense model on
+        one CPU rank under the ``torch`` or ``sdpa`` attention, with packed copies and a cache in the run dtype (on this
+        CPU the compiled step is 1.7x eager at one row, 1.2x at four, and slower than eager where the steps multiply in
+        bf16: perf-log)."""
         worker = config.worker
         if not (worker.cpu_compile and self.device.type == "cpu" and self.backend.name in ("torch", "sdpa")
                 and not self.args.num_experts and self.tp.size == 1 and self.kv_dtype == self.dtype):
@@ -335,7 +335,7 @@ class ModelRunner:
                     "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16,
                     "attention": self.backend.name,
                     "embedding_rows": embedding_rows}
-        step = cpu_step.StepRange(1, min(small_step_rows, config.max_num_seqs), self.table_width, self.block_size)
+        step = cpu_step.StepRange(1, small_step_rows, self.table_width, self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
 
     def _graphs_wanted(self, enabled: bool) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stride.workers import cpu_step
+from stride.workers import cpu_int4, cpu_step
 from stride.workers.runner import ModelRunner
 from tests.worker_helpers import make_checkpoint, make_runner, write_gguf
 
@@ -39,9 +39,12 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def runner_of(gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, compile_steps: bool) -> ModelRunner:
+    """Room for a step one row past the compiled range and four blocks a row: the range is 1..4 rows on a CPU with
+    native bf16, 1..64 on an AVX2-only one (``cpu_int4.EMULATED_MAX_ROWS``)."""
     monkeypatch.setenv("STRIDE_CPU_STEP_CACHE", str(cache))
-    return make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=BLOCK, num_blocks=40, max_num_seqs=8,
-                       max_model_len=256, cpu_compile=compile_steps)
+    rows = cpu_int4.EMULATED_MAX_ROWS + 1
+    return make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=BLOCK, num_blocks=4 * rows,
+                       max_num_seqs=rows, max_model_len=256, cpu_compile=compile_steps)
 
 
 def decode(runner: ModelRunner, batch: int, steps: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
