@@ -378,6 +378,19 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     return flags
 
 
+def bound_product_cache() -> None:
+    """Bound how many built bf16 products oneDNN and ideep keep (``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
+    ``LRU_CACHE_CAPACITY``, :mod:`stride.env`: 64 each), unless the environment sets them. Each keeps a product per
+    shape, its row count included, the last 1,024 by default; a prefill of a new length is a new shape for every
+    projection shape and the head, ~1 MB each at prefill sizes, so a worker serving prompts of many lengths kept
+    growing (the default model's by ~3 MB a length on an Intel Xeon with AMX, to GBs; perf-log). A decode step at
+    one batch size needs five (four projection shapes and the head), so 64 keeps those of the batch sizes in use.
+    Only bf16 products are kept (float32 ones go to MKL here). Call before the process's first product: both read it
+    once."""
+    env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.set_default(env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.default)
+    env.LRU_CACHE_CAPACITY.set_default(env.LRU_CACHE_CAPACITY.default)
+
+
 def trim_heap() -> None:
     """Give freed heap back to the system (``malloc_trim``). glibc keeps it otherwise: after packing, the served
     worker held ~170 MB more than the grids' own 66 MB; and since glibc raises its mmap threshold as large blocks are

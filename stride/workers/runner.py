@@ -152,6 +152,10 @@ class ModelRunner:
         block_size, num_blocks, max_num_seqs = config.block_size, config.num_blocks, config.max_num_seqs
         self.device, self.dtype = resolve_device_dtype(worker.device, worker.dtype)
         self.kv_dtype = resolve_kv_dtype(worker.kv_dtype, self.dtype)
+        if self.device.type == "cpu":
+            from stride.workers import cpu_int4
+
+            cpu_int4.bound_product_cache()  # before the first product: oneDNN reads it once
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
         self.backend = get_backend(worker.attention_backend, self.device.type)

@@ -3,11 +3,14 @@ unmapped once its weights are in (Linux: read from /proc)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from stride.workers.runner import cpu_has_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
@@ -55,11 +58,64 @@ def test_cpu_worker_loads_without_triton_and_unmaps_the_gguf() -> None:
         "from stride.workers.runner import ModelRunner, RunnerConfig\n"
         "r = ModelRunner(RunnerConfig(WorkerConfig(model='', device='cpu', dtype='bfloat16'), num_blocks=16))\n"
         "maps = sum('.gguf' in line for line in open('/proc/self/maps'))\n"
-        "print('triton' in sys.modules, 'torch._dynamo' in sys.modules, maps)\n"
+        "import os\n"
+        "print('triton' in sys.modules, 'torch._dynamo' in sys.modules, maps,\n"
+        "      os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["False", "False", "0"], out.stdout
+    # The runner bounded oneDNN's product cache before its first product (test below).
+    assert out.stdout.split()[-4:] == ["False", "False", "0", "64"], out.stdout
+
+
+_PRODUCT_CACHE_PROBE = """
+import torch
+from stride.workers import cpu_int4
+
+def anon():
+    return int(next(x for x in open("/proc/self/status") if x.startswith("RssAnon")).split()[1]) / 1024
+
+cpu_int4.bound_product_cache()
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+shapes = [(960, 576), (3072, 576), (576, 1536)]  # the default model's projections (out, in)
+plain = [(torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16) for n, k in shapes]
+if cpu_int4.packing_available():  # as the worker holds them with native bf16
+    weights = [(cpu_int4.packed_bf16(w), w.shape[1]) for w in plain]
+    product = cpu_int4.linear_packed
+else:
+    weights = [(w, w.shape[1]) for w in plain]
+    product = torch.nn.functional.linear
+xs = {k: torch.randn(1400, k, generator=g).to(torch.bfloat16) for _, k in shapes}
+product(xs[576][:3], weights[0][0])
+cpu_int4.trim_heap()
+base = anon()
+for rows in range(200, 1400, 20):  # a prefill of each of 60 lengths
+    for w, k in weights:
+        product(xs[k][:rows], w)
+cpu_int4.trim_heap()
+print(round(anon() - base))
+"""
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="only bf16 products are kept, and only where bf16 is native")
+@pytest.mark.parametrize("capacity", [None, "1024"])
+def test_a_cpu_worker_keeps_a_bounded_number_of_bf16_products(capacity: str | None) -> None:
+    # None: as the worker sets them (64 each); "1024" (the libraries' own default, set by the user, which the bound
+    # leaves alone) is the control: 180 products of new shapes, each kept.
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    if capacity is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env["LRU_CACHE_CAPACITY"] = capacity
+    out = subprocess.run([sys.executable, "-c", _PRODUCT_CACHE_PROBE], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grew = int(out.stdout.split()[-1])
+    if capacity is None:
+        assert grew < 100, f"60 prompt lengths kept {grew} MB of products"
+    else:
+        assert grew > 110, grew
 
 
 _TRIM_PROBE = """
