@@ -110,14 +110,14 @@ ATEN_CPU_CAPABILITY = EnvVar(
     "scripts/bench_peer.py --isa avx2 sets both).")
 
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = EnvVar(
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16",
     "oneDNN's own switch, read at its first product: how many built products (one per shape, row count included) "
-    "it keeps; its default is 1,024. A CPU worker sets 64 unless it is set, and LRU_CACHE_CAPACITY with it: at the "
+    "it keeps; its default is 1,024. A CPU worker sets 16 unless it is set, and LRU_CACHE_CAPACITY with it: at the "
     "defaults each prompt length served grew the default model's worker by ~3 MB of bf16 products kept (perf-log).")
 LRU_CACHE_CAPACITY = EnvVar(
-    "LRU_CACHE_CAPACITY", "64",
+    "LRU_CACHE_CAPACITY", "16",
     "ideep's own switch (torch's layer over oneDNN), read at its first product: how many products' set-ups it keeps "
-    "(default 1,024; 0 crashes it). A CPU worker sets 64 unless it is set, as ONEDNN_PRIMITIVE_CACHE_CAPACITY.")
+    "(default 1,024; 0 crashes it). A CPU worker sets 16 unless it is set, as ONEDNN_PRIMITIVE_CACHE_CAPACITY.")
 
 REGISTRY: tuple[EnvVar, ...] = (
     RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, CPU_INT8_HEAD,

@@ -380,11 +380,13 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 
 def bound_product_cache() -> None:
     """Bound how many built bf16 products oneDNN and ideep keep (``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and
-    ``LRU_CACHE_CAPACITY``, :mod:`stride.env`: 64 each), unless the environment sets them. Each keeps a product per
+    ``LRU_CACHE_CAPACITY``, :mod:`stride.env`: 16 each), unless the environment sets them. Each keeps a product per
     shape, its row count included, the last 1,024 by default; a prefill of a new length is a new shape for every
     projection shape and the head, ~1 MB each at prefill sizes, so a worker serving prompts of many lengths kept
     growing (the default model's by ~3 MB a length on an Intel Xeon with AMX, to GBs; perf-log). A decode step at
-    one batch size needs five (four projection shapes and the head), so 64 keeps those of the batch sizes in use.
+    one batch size needs five (four projection shapes and the head): 16 keep the current size's across a mixed step
+    (whose row count is new every time, kept or not); a size that comes back after others is built again, ~0.5 ms a
+    product.
     Only bf16 products are kept (float32 ones go to MKL here). Call before the process's first product: both read it
     once."""
     env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.set_default(env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.default)

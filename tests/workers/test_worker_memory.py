@@ -67,7 +67,7 @@ def test_cpu_worker_loads_without_triton_and_unmaps_the_gguf() -> None:
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     # The runner bounded oneDNN's product cache before its first product (test below).
-    assert out.stdout.split()[-4:] == ["False", "False", "0", "64"], out.stdout
+    assert out.stdout.split()[-4:] == ["False", "False", "0", "16"], out.stdout
 
 
 _PRODUCT_CACHE_PROBE = """
@@ -103,7 +103,7 @@ print(round(anon() - base))
 @pytest.mark.skipif(not cpu_has_bf16(), reason="only bf16 products are kept, and only where bf16 is native")
 @pytest.mark.parametrize("capacity", [None, "1024"])
 def test_a_cpu_worker_keeps_a_bounded_number_of_bf16_products(capacity: str | None) -> None:
-    # None: as the worker sets them (64 each); "1024" (the libraries' own default, set by the user, which the bound
+    # None: as the worker sets them (16 each); "1024" (the libraries' own default, set by the user, which the bound
     # leaves alone) is the control: 180 products of new shapes, each kept.
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     if capacity is not None:
