@@ -139,7 +139,7 @@ class CacheConfig:
     planner from the memory it measures). 640 blocks of 16 are 10,240 tokens: the default model's whole 8,192-token
     context and 2,048 more, 236 MB of bf16 KV for it. The pool's pages become resident only as blocks are written,
     but cached blocks stay, so a served pool ends up whole; with 768 blocks the default model's worker passed 1 GB of
-    RSS once the pool was (1.07 GB after 16 clients' 600-word prompts, against 0.97 with 640: docs/perf-log.md)."""
+    RSS once it was (1,099 MB after 16 clients' 600-word prompts, against 997 MB with 640: docs/perf-log.md)."""
     enable_prefix_caching: bool = True
     """Share full blocks between requests of one tenant by content address."""
     check_invariants: bool = field(default_factory=env.CHECK_INVARIANTS.get_bool)

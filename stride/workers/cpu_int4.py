@@ -386,9 +386,8 @@ def bound_product_cache() -> None:
     growing (the default model's by ~3 MB a length on an Intel Xeon with AMX, to GBs; perf-log). A decode step at
     one batch size needs five (four projection shapes and the head): 16 keep the current size's across a mixed step
     (whose row count is new every time, kept or not); a size that comes back after others is built again, ~0.5 ms a
-    product.
-    Only bf16 products are kept (float32 ones go to MKL here). Call before the process's first product: both read it
-    once."""
+    product. Only bf16 products are kept (torch sends float32 ones to MKL). Call before the process's first product:
+    both read it once."""
     env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.set_default(env.ONEDNN_PRIMITIVE_CACHE_CAPACITY.default)
     env.LRU_CACHE_CAPACITY.set_default(env.LRU_CACHE_CAPACITY.default)
 
