@@ -113,9 +113,9 @@ def test_a_cpu_worker_keeps_a_bounded_number_of_bf16_products(capacity: str | No
     assert out.returncode == 0, out.stderr[-2000:]
     grew = int(out.stdout.split()[-1])
     if capacity is None:
-        assert grew < 100, f"60 prompt lengths kept {grew} MB of products"
+        assert grew < 60, f"60 prompt lengths kept {grew} MB of products"  # 9 on an Intel Xeon with AMX
     else:
-        assert grew > 110, grew
+        assert grew > 110, grew  # 170 there
 
 
 _TRIM_PROBE = """
