@@ -19,6 +19,7 @@ import torch
 
 from stride.config import CacheConfig, SchedulerConfig, WorkerConfig, max_blocks_per_seq, quantize_group_size
 from stride.planner.memory import MAX_GRAPH_BATCH
+from stride.workers import cpu_int4
 from stride.workers.attention import AttentionContext, AttentionMetadata
 from stride.workers.backends import get_backend
 from stride.workers.cpu_int4 import cpu_flags
@@ -153,8 +154,6 @@ class ModelRunner:
         self.device, self.dtype = resolve_device_dtype(worker.device, worker.dtype)
         self.kv_dtype = resolve_kv_dtype(worker.kv_dtype, self.dtype)
         if self.device.type == "cpu":
-            from stride.workers import cpu_int4
-
             cpu_int4.bound_product_cache()  # before the first product: oneDNN reads it once
         # The backend first: without CUDA the triton one must load Triton (in interpreter mode) before the
         # model build does (torch imports Triton on its own then).
@@ -211,8 +210,6 @@ class ModelRunner:
         small_step_rows = 0  # steps of up to this many rows run on packed copies of some weights (0: none hold one)
         native = pack = False
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # small steps' own copies of weights
-            from stride.workers import cpu_int4
-
             native = cpu_has_bf16()
             pack = native and worker.cpu_pack and cpu_int4.packing_available()
             small_step_rows = cpu_int4.prepare(self.model, worker.cpu_int4, worker.cpu_int8_head, native, pack)
