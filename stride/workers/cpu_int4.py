@@ -13,11 +13,12 @@ projections, two threads):
 - A CPU that multiplies bf16 natively (AVX-512 BF16, AMX): :data:`MAX_ROWS` (4). The kernel reads a quarter of the
   bytes and takes 0.35-0.42x the time of bf16 ``F.linear`` at one row, 0.55-0.75x at 4, and is slower from 8 rows on.
 - A CPU without (AVX2 only, as most laptops): :data:`EMULATED_MAX_ROWS` (64). There bf16 ``F.linear`` is emulated,
-  2.5x float32's time at 8 rows and 7.5x at 256, so the steps the packed copies do not take multiply in float32, each
-  bf16 weight widened per call (:func:`upcast_large_steps`). The widening costs the default model ~93 ms a step (its
-  whole bf16 -> float32 copy), so the int4 kernel takes every step up to 64 rows: the model's step at 32 rows 139 ms
-  that way, against 205 widened and 141 with float32 weights; at 64 rows 269-290 against float32's 244.
-The packed copies add about a quarter of the bf16 weights' memory.
+  2.5x float32's time at 8 rows and 7.5x at 256, so the steps the packed copies do not take multiply in float32
+  (:func:`upcast_large_steps`). Widening the default model's weights to float32 costs ~93 ms a step, so the int4
+  kernel takes every step up to 64 rows: the model's step at 32 rows 139 ms that way, against 205 widened and 141
+  with float32 weights; at 64 rows 269-290 against float32's 244. A projection with a grid multiplies its larger
+  steps on the grid too, unpacked to float32 per step, and keeps no bf16 weight (:func:`drop_large_step_weights`).
+The packed copies add about a quarter of the bf16 weights' memory where the bf16 weights stay (native bf16).
 
 The steps the grids do not take (more than 4 rows, prefill chunks among them) multiply in bf16. torch's ``F.linear``
 hands oneDNN the weight as it is stored, row-major, and oneDNN reorders it into its own blocked layout on every call:
@@ -64,6 +65,11 @@ class SmallStepWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, W)`` for a step of any size, multiplied in float32 on the copy's own values: for a layer
+        that holds no other weight (:func:`drop_large_step_weights`)."""
+        raise NotImplementedError
+
 
 class Int4Weight(SmallStepWeight):
     """A (N, K) weight's 4-bit grid, packed for the CPU kernel."""
@@ -76,9 +82,55 @@ class Int4Weight(SmallStepWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.unpacked_t()).to(x.dtype)
+
+    def unpacked_t(self) -> torch.Tensor:
+        """The (K, N) float32 transpose of the weight the kernel multiplies by, ``(q - 8) * scale + zero`` in each
+        group, unpacked from the packed bytes as this CPU's torch lays them out (:func:`int4_block`, which must
+        not be None)."""
+        block = int4_block()
+        assert block is not None, "this torch packs the 4-bit grid in a layout not known here"
+        n, k = self.packed.shape[0], self.packed.shape[1] * 2
+        p = self.packed.view(n // block, k, block // 2)
+        q = torch.cat([p & 15, p >> 4], -1).transpose(0, 1).reshape(k // GROUP, GROUP, n)
+        scales, zeros = self.scales_zeros.float().unbind(-1)  # (K / GROUP, N) each
+        return torch.addcmul((zeros - 8 * scales).unsqueeze(1), q, scales.unsqueeze(1)).view(k, n)
+
+    def agrees(self, weight: torch.Tensor) -> bool:
+        """Whether :meth:`unpacked_t` gives ``weight`` (N, K) to within half a grid step in every group (plus bf16's
+        rounding): what a misread layout could not do."""
+        n, k = weight.shape
+        if n % (int4_block() or n + 1) or (n, k) != (self.packed.shape[0], self.packed.shape[1] * 2):
+            return False
+        diff = (self.unpacked_t() - weight.float().t()).abs().view(k // GROUP, GROUP, n)
+        tol = 0.5 * self.scales_zeros[..., 0].float().unsqueeze(1) + weight.float().t().abs().view_as(diff) * 2**-8
+        return bool((diff <= tol).all())
+
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+@functools.cache
+def int4_block() -> int | None:
+    """How torch's CPU int4 packing (``_convert_weight_to_int4pack_for_cpu``) lays out a (N, K) grid on this CPU:
+    the packed (N, K / 2) bytes read as (N / B, K, B / 2), each byte holding row ``n0 + i``'s value in its low
+    nibble and row ``n0 + B / 2 + i``'s in its high one. Returns B, found by packing a known matrix (torch 2.13: 64
+    with AVX-512, 32 held to AVX2), or None where no such B explains the bytes."""
+    if not available():
+        return None
+    n, k = 256, 64
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    if packed.shape != (n, k // 2) or packed.dtype != torch.uint8:
+        return None
+    for block in (16, 32, 64, 128):
+        got = packed.view(n // block, k, block // 2).to(torch.int32)
+        want = q.view(n // block, block, k).transpose(1, 2)
+        if torch.equal(got & 15, want[..., : block // 2]) and torch.equal(got >> 4, want[..., block // 2 :]):
+            return block
+    return None
 
 
 def int4_grid(weight: torch.Tensor, max_rows: int = MAX_ROWS) -> Int4Weight | None:
@@ -227,6 +279,31 @@ def upcast_large_steps(model: nn.Module) -> int:
     return count
 
 
+def drop_large_step_weights(model: nn.Module) -> tuple[int, int]:
+    """On a CPU that emulates bf16 products: each projection with a 4-bit grid takes its large steps on the grid too,
+    unpacked to float32 per step (:meth:`Int4Weight.widened`), and gives up its bf16 weight (a meta tensor of its
+    shape stays, which :func:`stride.workers.models.layers.project` reads as "not held"). The bf16 weight was read
+    only there, widened per step the same way; without it the default model's worker holds 212 MB less. The large
+    steps' weights become the grid's values (its scale and zero rounded to bf16, as the small steps' kernel uses
+    them) in place of the GGUF's values rounded to bf16: both within a fraction of a grid step of the checkpoint's.
+    A projection keeps its weight where the packing's layout is not known (:func:`int4_block`) or its unpacked grid
+    does not give the weight back (:meth:`Int4Weight.agrees`). Call after :func:`upcast_large_steps`. Returns
+    (weights dropped, bytes they held)."""
+    if int4_block() is None:
+        return 0, 0
+    count = nbytes = 0
+    for module in model.modules():
+        grid, weight = vars(module).get("int4"), getattr(module, "weight", None)
+        if not isinstance(grid, Int4Weight) or not _cpu_bf16_matrix(weight) or not grid.agrees(weight):
+            continue
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        count += 1
+        nbytes += weight.numel() * weight.element_size()
+    if count:
+        trim_heap()
+    return count, nbytes
+
+
 def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, embedding_rows: bool = False) -> int:
     """A bf16 model's small-step copies as the CPU worker holds them (:func:`attach` with ``int4``,
     :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``; the embedding's
@@ -252,6 +329,10 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
         count = upcast_large_steps(model)
         log.info("this CPU emulates bf16 products: %d projections multiply in float32 the steps their packed copies "
                  "do not take", count)
+        dropped, nbytes = drop_large_step_weights(model)
+        if dropped:
+            log.info("%d projections take those steps on their 4-bit grids unpacked, holding no bf16 weight (%.0f MB "
+                     "less)", dropped, nbytes / 1e6)
     return small_step_rows
 
 

@@ -47,9 +47,9 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def cpu_runs_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether bf16 is this CPU's default run dtype: native bf16, or AVX2, where the large steps' products are
-    widened to float32 (:func:`stride.workers.cpu_int4.upcast_large_steps`) and the weights are still read at half
-    float32's bytes. Older or unknown CPUs keep float32."""
+    """Whether bf16 is this CPU's default run dtype: native bf16, or AVX2, where the large steps multiply in float32
+    (:func:`stride.workers.cpu_int4.upcast_large_steps`) on weights held at half float32's bytes or less (a 4-bit
+    grid: :func:`stride.workers.cpu_int4.drop_large_step_weights`). Older or unknown CPUs keep float32."""
     return bool(cpu_flags(cpuinfo) & (_NATIVE_BF16 | {"avx2"}))
 
 

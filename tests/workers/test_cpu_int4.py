@@ -5,7 +5,11 @@ tokens with both or neither, but where its top two are near-tied."""
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +126,62 @@ def test_upcast_layers_multiply_large_steps_in_float32(monkeypatch: pytest.Monke
     assert small.calls == [8] and seen == []
 
 
+def test_the_grid_unpacks_to_the_weight_the_int4_kernel_multiplies_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout probe reads torch's packing on this CPU: the unpacked grid multiplied in float32 gives what the
+    kernel gives (to its bf16 output's rounding), and the weight back to within half a grid step. Negative controls:
+    the bytes read with another block size, or against another weight, do not agree."""
+    block = cpu_int4.int4_block()
+    assert block in (16, 32, 64, 128)
+    w = q4_1_weight(192, 128)
+    grid = cpu_int4.int4_grid(w, cpu_int4.EMULATED_MAX_ROWS)
+    assert grid is not None
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    kernel = grid(x).float()
+    assert (x.float() @ grid.unpacked_t() - kernel).abs().max() <= 0.01 * kernel.abs().max()
+    assert grid.agrees(w)
+    assert not grid.agrees(q4_1_weight(192, 128, seed=1))
+    monkeypatch.setattr(cpu_int4, "int4_block", lambda: 32 if block == 64 else 64)
+    assert not grid.agrees(w)
+
+
+def test_the_layout_probe_reads_the_avx2_packing_too() -> None:
+    """Held to AVX2 (an AVX2-only laptop's paths) torch packs the grid in another block size; the probe finds it and
+    the unpacked grid agrees with its weight there too."""
+    code = "import torch\nfrom stride.workers import cpu_int4\n" + inspect.getsource(q4_1_weight) + (
+        "w = q4_1_weight(192, 128)\ng = cpu_int4.int4_grid(w, 64)\n"
+        "print(cpu_int4.int4_block(), g.agrees(w), g.agrees(q4_1_weight(192, 128, seed=1)))\n"
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    block, agrees, stranger = out.stdout.split()
+    assert int(block) in (16, 32, 64, 128) and agrees == "True" and stranger == "False"
+
+
+def test_an_emulated_bf16_layer_gives_up_its_weight_for_its_grid() -> None:
+    """On a CPU that emulates bf16 a projection with a grid holds no bf16 weight: the steps the kernel takes still go
+    there, larger ones multiply the unpacked grid in float32, within the grid's rounding of the bf16 weight's answer.
+    A layer whose grid does not give its weight back keeps its weight (negative control)."""
+    w = q4_1_weight(192, 128)
+    layer, stranger = ColumnParallelLinear(128, [192]), ColumnParallelLinear(128, [192])
+    layer.weight.data, stranger.weight.data = w, q4_1_weight(192, 128, seed=2)
+    layer.int4 = grid = cpu_int4.int4_grid(w, cpu_int4.EMULATED_MAX_ROWS)
+    stranger.int4 = cpu_int4.int4_grid(q4_1_weight(192, 128, seed=3), cpu_int4.EMULATED_MAX_ROWS)
+    model = torch.nn.ModuleList([layer, stranger])
+    assert cpu_int4.upcast_large_steps(model) == 2
+    assert cpu_int4.drop_large_step_weights(model) == (1, w.numel() * 2)
+    assert layer.weight.is_meta and layer.weight.shape == w.shape and not stranger.weight.is_meta
+    assert grid is not None
+    wide = torch.randn(cpu_int4.EMULATED_MAX_ROWS + 1, 128).to(torch.bfloat16)
+    got = layer(wide)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (wide.float() @ grid.unpacked_t()).to(torch.bfloat16))
+    ref = F.linear(wide.float(), w.float())
+    assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    layer.int4 = spy = Spy(grid)
+    layer(torch.randn(3, 128).to(torch.bfloat16))
+    assert spy.calls == [3]
+
+
 def _greedy_against(plain: ModelRunner, other: ModelRunner) -> list[tuple[float, float, bool, float]]:
     """24 greedy steps from each of two prompts, both runners fed ``plain``'s choice. Per step: the gap between
     ``plain``'s top two log-probs, how far ``other`` moved that gap, whether ``other`` picked another token, and the
@@ -218,7 +278,7 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 runner of a Q4_1 GGUF: on a CPU with native bf16 the packed copies take steps of up to MAX_ROWS rows
     and larger ones multiply in bf16; on one that emulates bf16 they take up to EMULATED_MAX_ROWS and every projection
-    widens the larger steps to float32."""
+    multiplies the larger steps in float32, on its grid unpacked (no bf16 weight held)."""
     from stride.workers import runner as runner_module
 
     hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
@@ -230,6 +290,7 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
     want = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
     assert projections and all(m.int4 is not None and m.int4.max_rows == want for m in projections)
     assert all(m.upcast is not native for m in projections)
+    assert all(m.weight.is_meta is not native for m in projections)  # emulated: the grids take every step
     head = r.model.lm_head
     assert head.int8 is not None and head.int8.max_rows == want and head.upcast is not native
 
