@@ -25,7 +25,9 @@ The build takes about 8 minutes on 2 cores and lands in ``--build-dir`` (kept fo
 ``--isa avx2`` measures both as they run on an AVX2-only CPU (most laptops before 2022, a Zen 3), on a machine with
 more: llama.cpp built for AVX2 alone, and Stride with torch and oneDNN held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``,
 ``ONEDNN_MAX_CPU_ISA=AVX2``), which its worker's choices follow (``stride.workers.cpu_int4.cpu_flags``). The caches,
-memory and clocks stay this machine's: a figure for the paths, not for such a CPU.
+memory and clocks stay this machine's: a figure for the paths, not for such a CPU. ``--isa avx512`` holds oneDNN
+below AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``: a CPU with AVX-512 BF16 and no AMX, as the issue's first machine
+and the Zen 4s were); llama.cpp's build has AMX off already.
 """
 
 from __future__ import annotations
@@ -271,13 +273,16 @@ def main() -> int:
     parser.add_argument("--only", choices=("both", "stride", "llama.cpp"), default="both")
     parser.add_argument("--pairs", type=int, default=1,
                         help="launches of each server, in turn; figures are medians, ratios the median pair's")
-    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
-                        help="avx2: both servers held to AVX2 (an AVX2-only CPU's paths, on this one)")
+    parser.add_argument("--isa", choices=("native", "avx512", "avx2"), default="native",
+                        help="avx2: both servers held to AVX2 (an AVX2-only CPU's paths, on this one); avx512: "
+                             "oneDNN held below AMX")
     parser.add_argument("--out-json", default="")
     args = parser.parse_args()
     if args.isa == "avx2":  # before anything reads the CPU's flags; the servers inherit them
         os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
         os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    elif args.isa == "avx512":
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     model = args.model or default_model_path()
     base_url = f"http://127.0.0.1:{args.port}"

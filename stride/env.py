@@ -109,6 +109,15 @@ ATEN_CPU_CAPABILITY = EnvVar(
     "paths, on a machine with more; set ONEDNN_MAX_CPU_ISA=AVX2 too, so that oneDNN's products follow: "
     "scripts/bench_peer.py --isa avx2 sets both).")
 
+ONEDNN_MAX_CPU_ISA = EnvVar(
+    "ONEDNN_MAX_CPU_ISA", "",
+    "oneDNN's own switch ('AVX2', 'AVX512_CORE_BF16', 'AVX512_CORE_AMX', ...): the widest code its products use. The "
+    "worker's choices follow it: below AMX it takes the CPU for one without AMX, below AVX-512 for an AVX2-only one "
+    "(with ATEN_CPU_CAPABILITY=avx2 too: scripts/bench_peer.py --isa sets both).")
+CPU_INT4_ROWS = EnvVar(
+    "STRIDE_CPU_INT4_ROWS", "",
+    "The largest step, in rows, that a CPU worker's 4-bit grids take (the rest multiply the bf16 weights). Empty: "
+    "by the CPU, 4 with AMX, 16 with AVX-512 BF16 alone, 64 where bf16 is emulated (stride.workers.cpu_int4).")
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = EnvVar(
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16",
     "oneDNN's own switch, read at its first product: how many built products (one per shape, row count included) "
@@ -122,7 +131,7 @@ LRU_CACHE_CAPACITY = EnvVar(
 REGISTRY: tuple[EnvVar, ...] = (
     RUNTIME_ROOT, CHECK_INVARIANTS, LOG_LEVEL, DEVICE, ATTENTION_BACKEND, W4A16, CPU_INT4, CPU_INT8_HEAD,
     CPU_PACK, CPU_COMPILE, CPU_STEP_CACHE, CONTROL_NICE, AUTOTUNE_CACHE, PDL, EARLY_LAUNCH, TRITON_INTERPRET,
-    ATEN_CPU_CAPABILITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY,
+    ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, CPU_INT4_ROWS, ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY,
 )
 
 

@@ -10,8 +10,12 @@ alone, so the answers stay those of the weights as loaded.
 
 How many rows take the packed copies depends on what the bf16 weights cost instead (perf-log, SmolLM2-135M's
 projections, two threads):
-- A CPU that multiplies bf16 natively (AVX-512 BF16, AMX): :data:`MAX_ROWS` (4). The kernel reads a quarter of the
-  bytes and takes 0.35-0.42x the time of bf16 ``F.linear`` at one row, 0.55-0.75x at 4, and is slower from 8 rows on.
+- A CPU with AMX: :data:`MAX_ROWS` (4). The kernel reads a quarter of the bytes and takes 0.35-0.42x the time of
+  bf16 ``F.linear`` at one row, 0.55-0.75x at 4; from ~8 rows on oneDNN's bf16 products on the AMX tiles (the weight
+  in its layout, below) are faster, at 16 rows 0.6x the kernel's time.
+- A CPU with AVX-512 BF16 but no AMX: :data:`NO_AMX_MAX_ROWS` (16). There oneDNN's bf16 products took 1.2x the
+  kernel's time at 16 rows and 1.5x at 8 (the default model's projections streamed from memory, an Intel Xeon held
+  below AMX), and the worker's compiled step with the grids took 0.58x the time at 8 rows, 0.83x at 16 (perf-log).
 - A CPU without (AVX2 only, as most laptops): :data:`EMULATED_MAX_ROWS` (64). There bf16 ``F.linear`` is emulated,
   2.5x float32's time at 8 rows and 7.5x at 256, so the steps the packed copies do not take multiply in float32
   (:func:`upcast_large_steps`). Widening the default model's weights to float32 costs ~93 ms a step, so the int4
@@ -20,10 +24,10 @@ projections, two threads):
   steps on the grid too, unpacked to float32 per step, and keeps no bf16 weight (:func:`drop_large_step_weights`).
 The packed copies add about a quarter of the bf16 weights' memory where the bf16 weights stay (native bf16).
 
-The steps the grids do not take (more than 4 rows, prefill chunks among them) multiply in bf16. torch's ``F.linear``
-hands oneDNN the weight as it is stored, row-major, and oneDNN reorders it into its own blocked layout on every call:
-at 16 rows that reorder costs about as much as the product. With native bf16 the projections whose plain weight
-nothing else reads hold it in that layout instead, laid out once at load (:func:`pack_large_steps`): the same
+The steps the grids do not take (past the row limit above, prefill chunks among them) multiply in bf16. torch's
+``F.linear`` hands oneDNN the weight as it is stored, row-major, and oneDNN reorders it into its own blocked layout on
+every call: at 16 rows that reorder costs about as much as the product. With native bf16 the projections whose plain
+weight nothing else reads hold it in that layout instead, laid out once at load (:func:`pack_large_steps`): the same
 products to the bit, the default model's 120 projections at 16 rows 0.47-0.67x the time on a Zen 4 (8 rows
 0.44-0.70x, 256 rows 0.84-0.95x; perf-log), in the same bytes.
 """
@@ -44,9 +48,24 @@ log = logging.getLogger(__name__)
 GROUP = 32
 """Inputs per scale and minimum (GGUF's Q4 block)."""
 MAX_ROWS = 4
-"""Largest step (rows of the activation) that takes the packed copies on a CPU with native bf16."""
+"""Largest step (rows of the activation) that takes the packed copies on a CPU with AMX."""
+NO_AMX_MAX_ROWS = 16
+"""The same on a CPU with native bf16 products but no AMX (AVX-512 BF16 alone)."""
 EMULATED_MAX_ROWS = 64
 """The same on a CPU that emulates bf16 products (:func:`upcast_large_steps`)."""
+
+
+def max_small_rows(native_bf16: bool, cpuinfo: str = "/proc/cpuinfo") -> int:
+    """The largest step the packed copies take on this CPU: ``STRIDE_CPU_INT4_ROWS`` where set, else
+    :data:`MAX_ROWS` with AMX, :data:`NO_AMX_MAX_ROWS` with native bf16 alone, :data:`EMULATED_MAX_ROWS` without."""
+    if env.CPU_INT4_ROWS.get().strip():
+        rows = env.CPU_INT4_ROWS.get_int()
+        if rows < 1:
+            raise ValueError(f"{env.CPU_INT4_ROWS.name}={rows}: must be at least 1")
+        return rows
+    if not native_bf16:
+        return EMULATED_MAX_ROWS
+    return MAX_ROWS if "amx_bf16" in cpu_flags(cpuinfo) else NO_AMX_MAX_ROWS
 MAX_GRID_ERROR = 0.1
 """Largest distance, in grid steps, of a weight from its group's 4-bit grid for the grid to count as the weight's
 own (bf16 rounding of a Q4_1 weight puts it within ~0.04 of a step; a weight off any 4-bit grid is up to 0.5)."""
@@ -311,7 +330,7 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
     the largest step they take (0: none attached)."""
     if embedding_rows and _tied(model):  # only a tied head needs the embedding off its bf16 weight
         attach_rows(model)
-    max_rows = MAX_ROWS if native_bf16 else EMULATED_MAX_ROWS
+    max_rows = max_small_rows(native_bf16)
     small_step_rows = 0
     if int4:
         count, nbytes = attach(model, max_rows)
@@ -443,17 +462,21 @@ _ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """This CPU's feature flags as x86 Linux lists them (empty elsewhere: no way to tell here), less those that torch
-    was told not to use: with ``ATEN_CPU_CAPABILITY=avx2`` every AVX-512, AMX and AVX-VNNI flag is dropped, with
-    ``default`` AVX2 and FMA too, so that the worker takes the paths of such a CPU (with oneDNN held to the same by
-    ``ONEDNN_MAX_CPU_ISA``: ``scripts/bench_peer.py --isa avx2`` sets both)."""
+    or oneDNN was told not to use, so that the worker takes the paths of such a CPU: with ``ATEN_CPU_CAPABILITY=avx2``
+    every AVX-512, AMX and AVX-VNNI flag is dropped, with ``default`` AVX2 and FMA too; with ``ONEDNN_MAX_CPU_ISA``
+    below AMX (``AVX512_CORE_BF16``) the AMX flags, below AVX-512 (``AVX2``) those of ``avx2`` too
+    (``scripts/bench_peer.py --isa`` sets both variables)."""
     try:
         with open(cpuinfo) as f:
             flags = set(f.read().split())
     except OSError:
         return set()
     capability = env.ATEN_CPU_CAPABILITY.get().strip().lower()
-    if capability in ("avx2", "default"):
+    isa = env.ONEDNN_MAX_CPU_ISA.get().strip().upper()
+    if capability in ("avx2", "default") or (isa and not isa.startswith(("AVX512", "AVX10", "ALL", "DEFAULT"))):
         flags = {f for f in flags if not f.startswith(_ABOVE_AVX2)}
+    elif isa.startswith(("AVX512", "AVX10")) and "AMX" not in isa:
+        flags = {f for f in flags if not f.startswith("amx")}
     if capability == "default":
         flags -= {"avx2", "fma"}
     return flags

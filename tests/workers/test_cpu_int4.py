@@ -182,6 +182,32 @@ def test_an_emulated_bf16_layer_gives_up_its_weight_for_its_grid() -> None:
     assert spy.calls == [3]
 
 
+def test_the_grids_row_limit_follows_the_cpu_and_what_onednn_is_held_to(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 rows with AMX (oneDNN's bf16 products on the tiles beat the grid kernel from ~8 rows), 16 with AVX-512 BF16
+    alone, 64 where bf16 is emulated; ``ONEDNN_MAX_CPU_ISA`` below AMX or below AVX-512 takes the CPU for one without;
+    ``STRIDE_CPU_INT4_ROWS`` sets it."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "STRIDE_CPU_INT4_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    amx, bf16 = str(tmp_path / "amx"), str(tmp_path / "bf16")
+    Path(amx).write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    Path(bf16).write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert [cpu_int4.max_small_rows(True, f) for f in (amx, bf16)] == [cpu_int4.MAX_ROWS, cpu_int4.NO_AMX_MAX_ROWS]
+    assert cpu_int4.max_small_rows(False, amx) == cpu_int4.EMULATED_MAX_ROWS
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_int4.max_small_rows(True, amx) == cpu_int4.MAX_ROWS
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert cpu_int4.cpu_flags(amx) == {"flags", ":", "fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert cpu_int4.max_small_rows(True, amx) == cpu_int4.NO_AMX_MAX_ROWS
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_int4.cpu_flags(amx) == {"flags", ":", "fpu", "avx2"}
+    monkeypatch.setenv("STRIDE_CPU_INT4_ROWS", "8")
+    assert cpu_int4.max_small_rows(True, amx) == cpu_int4.max_small_rows(False, amx) == 8
+    monkeypatch.setenv("STRIDE_CPU_INT4_ROWS", "0")
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_int4.max_small_rows(True, amx)
+
+
 def _greedy_against(plain: ModelRunner, other: ModelRunner) -> list[tuple[float, float, bool, float]]:
     """24 greedy steps from each of two prompts, both runners fed ``plain``'s choice. Per step: the gap between
     ``plain``'s top two log-probs, how far ``other`` moved that gap, whether ``other`` picked another token, and the
@@ -277,8 +303,9 @@ def test_the_int8_head_is_within_its_rows_half_step_and_only_for_small_steps() -
 def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 runner of a Q4_1 GGUF: on a CPU with native bf16 the packed copies take steps of up to MAX_ROWS rows
-    and larger ones multiply in bf16; on one that emulates bf16 they take up to EMULATED_MAX_ROWS and every projection
-    multiplies the larger steps in float32, on its grid unpacked (no bf16 weight held)."""
+    (with AMX; NO_AMX_MAX_ROWS without) and larger ones multiply in bf16; on one that emulates bf16 they take up to
+    EMULATED_MAX_ROWS and every projection multiplies the larger steps in float32, on its grid unpacked (no bf16
+    weight held)."""
     from stride.workers import runner as runner_module
 
     hf = make_checkpoint("tiny-llama", tmp_path / "hf", torch.float32)
@@ -287,7 +314,7 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
     r = make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=16, num_blocks=8, max_num_seqs=2,
                     cpu_pack=False)
     projections = [m for m in r.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    want = cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS
+    want = cpu_int4.max_small_rows(native)
     assert projections and all(m.int4 is not None and m.int4.max_rows == want for m in projections)
     assert all(m.upcast is not native for m in projections)
     assert all(m.weight.is_meta is not native for m in projections)  # emulated: the grids take every step

@@ -40,7 +40,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def runner_of(gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, compile_steps: bool) -> ModelRunner:
     """Room for a step one row past the compiled range and four blocks a row: the range is 1..4 rows on a CPU with
-    native bf16, 1..64 on an AVX2-only one (``cpu_int4.EMULATED_MAX_ROWS``)."""
+    AMX, 1..16 with AVX-512 BF16 alone, 1..64 on an AVX2-only one (``cpu_int4.max_small_rows``)."""
     monkeypatch.setenv("STRIDE_CPU_STEP_CACHE", str(cache))
     rows = cpu_int4.EMULATED_MAX_ROWS + 1
     return make_runner(str(gguf), device="cpu", dtype="bfloat16", block_size=BLOCK, num_blocks=4 * rows,
@@ -82,7 +82,7 @@ def test_the_compiled_step_gives_eagers_answers_and_writes_the_same_cache(
     compiled = runner_of(gguf, cache, monkeypatch, compile_steps=True)
     rows = compiled.compiled.step.max_rows  # the rows the packed small-step copies take on this CPU
     native = runner_module.cpu_has_bf16()
-    assert rows == (cpu_int4.MAX_ROWS if native else cpu_int4.EMULATED_MAX_ROWS)
+    assert rows == cpu_int4.max_small_rows(native)
     assert compiled.model.layers[0].mlp.down_proj.weight.is_meta is not native
     package = wait_ready(compiled)
     assert package.path in list(cache.glob("*.pt2"))
