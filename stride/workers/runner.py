@@ -334,7 +334,7 @@ class ModelRunner:
 
         settings = {"model": worker.model or default_model_path(), "dtype": str(self.dtype).removeprefix("torch."),
                     "cpu_int4": worker.cpu_int4, "cpu_int8_head": worker.cpu_int8_head, "native_bf16": native_bf16,
-                    "attention": self.backend.name,
+                    "attention": self.backend.name, "threads": torch.get_num_threads(),
                     "embedding_rows": embedding_rows}
         step = cpu_step.StepRange(1, small_step_rows, self.table_width, self.block_size)
         return cpu_step.BackgroundStep(settings, step, self.model, self.kv_cache.k_caches + self.kv_cache.v_caches)
