@@ -53,6 +53,9 @@ NO_AMX_MAX_ROWS = 16
 """The same on a CPU with native bf16 products but no AMX (AVX-512 BF16 alone)."""
 EMULATED_MAX_ROWS = 64
 """The same on a CPU that emulates bf16 products (:func:`upcast_large_steps`)."""
+MAX_GRID_ERROR = 0.1
+"""Largest distance, in grid steps, of a weight from its group's 4-bit grid for the grid to count as the weight's
+own (bf16 rounding of a Q4_1 weight puts it within ~0.04 of a step; a weight off any 4-bit grid is up to 0.5)."""
 
 
 def max_small_rows(native_bf16: bool, cpuinfo: str = "/proc/cpuinfo") -> int:
@@ -66,9 +69,6 @@ def max_small_rows(native_bf16: bool, cpuinfo: str = "/proc/cpuinfo") -> int:
     if not native_bf16:
         return EMULATED_MAX_ROWS
     return MAX_ROWS if "amx_bf16" in cpu_flags(cpuinfo) else NO_AMX_MAX_ROWS
-MAX_GRID_ERROR = 0.1
-"""Largest distance, in grid steps, of a weight from its group's 4-bit grid for the grid to count as the weight's
-own (bf16 rounding of a Q4_1 weight puts it within ~0.04 of a step; a weight off any 4-bit grid is up to 0.5)."""
 
 
 def available() -> bool:
@@ -120,7 +120,8 @@ class Int4Weight(SmallStepWeight):
         """Whether :meth:`unpacked_t` gives ``weight`` (N, K) to within half a grid step in every group (plus bf16's
         rounding): what a misread layout could not do."""
         n, k = weight.shape
-        if n % (int4_block() or n + 1) or (n, k) != (self.packed.shape[0], self.packed.shape[1] * 2):
+        block = int4_block()
+        if block is None or n % block or (n, k) != (self.packed.shape[0], self.packed.shape[1] * 2):
             return False
         diff = (self.unpacked_t() - weight.float().t()).abs().view(k // GROUP, GROUP, n)
         tol = 0.5 * self.scales_zeros[..., 0].float().unsqueeze(1) + weight.float().t().abs().view_as(diff) * 2**-8

@@ -64,9 +64,9 @@ def column_slices(output_sizes: Sequence[int], units: Sequence[int] | None, tp_r
 
 def project(x: torch.Tensor, weight: torch.Tensor, small: SmallStepWeight | None, upcast: bool) -> torch.Tensor:
     """``x @ weight.T``: on ``small`` (a packed CPU copy) for a step it takes; else on that copy's values widened to
-    float32 where the layer holds no weight of its own (a meta tensor: :func:`stride.workers.cpu_int4.
-    drop_large_step_weights`); else in float32 with ``upcast``; else as the weight is (oneDNN's blocked layout on a
-    CPU: :func:`stride.workers.cpu_int4.pack_large_steps`)."""
+    float32 where the layer holds no weight of its own (a meta tensor, left by
+    :func:`stride.workers.cpu_int4.drop_large_step_weights`); else in float32 with ``upcast``; else as the weight is
+    (oneDNN's blocked layout on a CPU: :func:`stride.workers.cpu_int4.pack_large_steps`)."""
     if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows:
         return small(x)
     if weight.is_meta:  # not held: the packed copy takes every step (cpu_int4.drop_large_step_weights)
