@@ -123,8 +123,9 @@ class Int4Weight(SmallStepWeight):
         block = int4_block()
         if block is None or n % block or (n, k) != (self.packed.shape[0], self.packed.shape[1] * 2):
             return False
-        diff = (self.unpacked_t() - weight.float().t()).abs().view(k // GROUP, GROUP, n)
-        tol = 0.5 * self.scales_zeros[..., 0].float().unsqueeze(1) + weight.float().t().abs().view_as(diff) * 2**-8
+        wt = weight.float().t()
+        diff = (self.unpacked_t() - wt).abs().view(k // GROUP, GROUP, n)
+        tol = 0.5 * self.scales_zeros[..., 0].float().unsqueeze(1) + wt.abs().view_as(diff) * 2**-8
         return bool((diff <= tol).all())
 
     @property
