@@ -61,6 +61,17 @@ def default_decode_config(
 # step's decodes or chunks (rows of the step's tensors, offset by the decodes before them), the split count and
 # partition. Every step of a shape then runs one compiled kernel, which the worker's warm-up compiles before
 # serving; each is read a few times per program, so no load is wider for knowing them.
+@triton.jit
+def _same_halves(s, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``s`` (2 * HALF, BLOCK_N) with each row and its copy HALF rows on set to the larger of the two. STACK_P's
+    halves come from the same query rows, so they should hold the same scores, but a dot need not give two equal rows
+    equal bits: the interpreter's float32 matmul (OpenBLAS) sums some rows of a tile in another order than others on
+    an AVX2 CPU. Then P's high part (from one copy) and low part (from the other) straddle a rounding boundary of P,
+    an error of one 16-bit ulp of P that showed as up to 7 ulps of the output (fp16, AVX2 CPU, 2026-12-07)."""
+    pair = tl.max(tl.reshape(s, [2, HALF, BLOCK_N]), axis=0)
+    return tl.reshape(tl.broadcast_to(pair[None, :, :], [2, HALF, BLOCK_N]), [2 * HALF, BLOCK_N])
+
+
 @triton.jit(do_not_specialize=["num_splits", "partition", "stride_bt"],
             do_not_specialize_on_alignment=["bt_ptr", "ctx_ptr"])
 def _decode_kernel(
@@ -114,6 +125,8 @@ def _decode_kernel(
         k_rows = page * stride_kb + slot * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        if STACK_P:
+            s = _same_halves(s, HALF, BLOCK_N)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
