@@ -63,10 +63,19 @@ def _agree(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert len(ta) == len(tb) and a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
 
 
+@pytest.fixture(scope="module")
+def no_overlap() -> tuple[list[dict[str, Any]], float, float]:
+    """The reference launch (``--no-overlap``, nothing launched early), served once for both tests below."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("STRIDE_EARLY_LAUNCH", "0")
+        return _serve("--no-overlap")
+
+
 @pytest.mark.slow
-def test_greedy_outputs_equal_with_overlap_on_and_off_under_preemption_and_stop_strings() -> None:
+def test_greedy_outputs_equal_with_overlap_on_and_off_under_preemption_and_stop_strings(
+        no_overlap: tuple[list[dict[str, Any]], float, float]) -> None:
     on, on_preempted, _ = _serve()
-    off, off_preempted, _ = _serve("--no-overlap")
+    off, off_preempted, _ = no_overlap
     assert on_preempted > 0 and off_preempted > 0  # the pool was too small for every request at once
     assert any(c["finish_reason"] == "stop" for c in on)  # a stop string cut some
     for a, b in zip(on, off, strict=True):
@@ -81,13 +90,12 @@ def test_greedy_outputs_equal_with_overlap_on_and_off_under_preemption_and_stop_
 
 @pytest.mark.slow
 def test_greedy_outputs_equal_with_early_launch_under_preemption_and_stop_strings(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, no_overlap: tuple[list[dict[str, Any]], float, float]) -> None:
     """Early launch (on by default on a GPU only): rank 0 launches a step built ahead before it reports the step in
     flight, the placeholder tokens filled from that step's sampled tokens on the device, not the host's copy."""
     monkeypatch.setenv("STRIDE_EARLY_LAUNCH", "1")
     early, preempted, launched_early = _serve()
-    monkeypatch.setenv("STRIDE_EARLY_LAUNCH", "0")
-    off, _, not_early = _serve("--no-overlap")
+    off, _, not_early = no_overlap
     assert preempted > 0 and any(c["finish_reason"] == "stop" for c in early)
     assert launched_early > 0 and not_early == 0  # the path ran (and the counter counts only it)
     for a, b in zip(early, off, strict=True):

@@ -35,11 +35,11 @@ def _rel_err(out, ref):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 256), (5, 123, 384), (16, 64, 32 * 13)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 256), (3, 123, 384), (16, 64, 32 * 13)])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("gemv", [False, True])
 def test_w4a16_matches_dequantised_matmul(dtype, tol, m, n, k, split_k, gemv):
-    if gemv and m > 5:
+    if gemv and m > 3:
         pytest.skip("the GEMV path serves decode rows; one program per row is slow under the interpreter")
     gen = torch.Generator().manual_seed(m * n + k)
     w = random_weight(n, k, device=DEVICE, seed=m * n + k)
