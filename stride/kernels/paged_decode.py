@@ -67,7 +67,9 @@ def _same_halves(s, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
     halves come from the same query rows, so they should hold the same scores, but a dot need not give two equal rows
     equal bits: the interpreter's float32 matmul (OpenBLAS) sums some rows of a tile in another order than others on
     an AVX2 CPU. Then P's high part (from one copy) and low part (from the other) straddle a rounding boundary of P,
-    an error of one 16-bit ulp of P that showed as up to 7 ulps of the output (fp16, AVX2 CPU, 2026-12-07)."""
+    an error of one 16-bit ulp of P that showed as up to 7 ulps of the output (fp16, AVX2 CPU, 2026-12-07). Only
+    there (DOT_UPCAST): on a GPU the tile is one MMA whose rows all go through the same instructions, and this
+    reshuffle of the scores (likely through shared memory) has not been timed there."""
     pair = tl.max(tl.reshape(s, [2, HALF, BLOCK_N]), axis=0)
     return tl.reshape(tl.broadcast_to(pair[None, :, :], [2, HALF, BLOCK_N]), [2 * HALF, BLOCK_N])
 
@@ -125,7 +127,7 @@ def _decode_kernel(
         k_rows = page * stride_kb + slot * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale
-        if STACK_P:
+        if STACK_P and DOT_UPCAST:
             s = _same_halves(s, HALF, BLOCK_N)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
