@@ -299,6 +299,43 @@ def test_the_int8_head_is_within_its_rows_half_step_and_only_for_small_steps() -
     assert (other(x).float() - ref).abs().max() > 0.2 * ref.abs().max()
 
 
+@pytest.mark.skipif(not cpu_int4.fp16_rows_available(), reason="no fbgemm fp16 product on this CPU")
+def test_the_fp16_head_is_the_bf16_weight_itself_for_every_step() -> None:
+    """The fp16 copy holds the bf16 weight's own values (every one in fp16's normal range is an fp16 value, and the
+    small ones here too), so its product is the float32 product of the bf16 weight up to the order of the sums, and
+    it takes steps of every size; chunked packing changes nothing. A weight past fp16's range gets no copy. Negative
+    controls: the weight one bf16 step off in one column, and the int8 copy, are caught by the same bound."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(320, 64, generator=g) * torch.rand(320, 1, generator=g) * 4).to(torch.bfloat16)
+    w[0, :8] = torch.tensor([2**-14, 2**-20, -(2**-24), 3e4, -6e4, 0.0, 1e-3, -1e-5]).to(torch.bfloat16)
+    rows = cpu_int4.Fp16Rows(w, max_rows=1 << 30, chunk=96)  # four chunks, the last ragged
+    assert len(rows.parts) == 4 and rows.nbytes == 2 * w.numel()
+    x = torch.randn(70, 64, generator=g)
+    ref = F.linear(x, w.float())
+    bound = 1e-6 * (x.abs() @ w.float().abs().t())  # float32 sums in another order
+    got = torch.ops.quantized.linear_dynamic_fp16(x, rows.parts[0])  # the first chunk alone
+    assert ((got - ref[:, :96]).abs() <= bound[:, :96]).all()
+    assert torch.equal(rows(x.bfloat16()), rows(x.bfloat16()))
+    assert ((rows(x) - ref).abs() <= bound).all() and rows(x).dtype == torch.float32
+    head = VocabParallelHead(64, 320)
+    head.weight.data = w
+    head.int8 = spy = Spy(rows)
+    for n in (1, cpu_int4.EMULATED_MAX_ROWS + 1, 300):
+        head(torch.randn(n, 64).to(torch.bfloat16))
+    assert spy.calls == [1, cpu_int4.EMULATED_MAX_ROWS + 1, 300]
+    model = torch.nn.Module()
+    model.lm_head = VocabParallelHead(64, 320)
+    model.lm_head.weight.data = w.clone()
+    model.lm_head.weight.data[5, 3] = 7e4  # past fp16's largest value
+    assert cpu_int4.attach_fp16_head(model) == 0 and model.lm_head.int8 is None
+    model.lm_head.weight.data[5, 3] = 1.0
+    assert cpu_int4.attach_fp16_head(model) == 2 * w.numel() and isinstance(model.lm_head.int8, cpu_int4.Fp16Rows)
+    nudged = w.clone()
+    nudged[:, 9].view(torch.int16).add_(1)
+    assert not ((cpu_int4.Fp16Rows(nudged, 1 << 30)(x) - ref).abs() <= bound).all()
+    assert not ((cpu_int4.Int8Rows(w)(x.bfloat16()).float() - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,7 +356,11 @@ def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path
     assert all(m.upcast is not native for m in projections)
     assert all(m.weight.is_meta is not native for m in projections)  # emulated: the grids take every step
     head = r.model.lm_head
-    assert head.int8 is not None and head.int8.max_rows == want and head.upcast is not native
+    if native or not cpu_int4.fp16_rows_available():
+        assert head.int8 is not None and head.int8.max_rows == want
+    else:  # emulated: the head's fp16 copy takes every step
+        assert isinstance(head.int8, cpu_int4.Fp16Rows) and head.int8.max_rows >= 1 << 30
+    assert head.upcast is not native
 
 
 needs_packing = pytest.mark.skipif(not cpu_int4.packing_available(), reason="no oneDNN bf16 product on this CPU")

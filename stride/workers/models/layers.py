@@ -357,7 +357,8 @@ class VocabParallelHead(_VocabRows):
         self.weight = nn.Parameter(torch.empty(-(-vocab_size // tp_size), hidden_size), requires_grad=False)
 
     int8: SmallStepWeight | None = None
-    """On the CPU, an int8 copy of the weight for small steps (:func:`stride.workers.cpu_int4.attach_head`)."""
+    """On the CPU, an int8 copy of the weight for small steps (:func:`stride.workers.cpu_int4.attach_head`), or where
+    bf16 is emulated an fp16 one for every step (:func:`stride.workers.cpu_int4.attach_fp16_head`)."""
     upcast: bool = False
     """As :attr:`ColumnParallelLinear.upcast`."""
 
