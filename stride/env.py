@@ -62,7 +62,8 @@ CPU_INT4 = EnvVar(
 CPU_INT8_HEAD = EnvVar(
     "STRIDE_CPU_INT8_HEAD", "1",
     "'1' (default): on a CPU in bf16, the output projection also keeps an int8 copy (per-row scales), on which "
-    "small steps (as STRIDE_CPU_INT4's) compute their logits; '0': bf16 only.")
+    "small steps (as STRIDE_CPU_INT4's) compute their logits, or where bf16 is emulated an fp16 copy (fbgemm's "
+    "layout) on which every step does; '0': bf16 only.")
 CPU_PACK = EnvVar(
     "STRIDE_CPU_PACK", "1",
     "'1' (default): on a CPU with native bf16, the bf16 projections' weights are held in oneDNN's blocked layout for "

@@ -221,11 +221,10 @@ FP16_MAX = 65504.0
 
 class Fp16Rows(SmallStepWeight):
     """A (N, K) bf16 weight as fp16 in fbgemm's packed layout, multiplied in float32 (fbgemm's fp16 GEMM widens the
-    weights in registers; its AVX2 kernels are what Meta's servers ran), for a CPU that emulates bf16 products. Every
-    bf16 value in fp16's normal range is an fp16 value (8 exponent bits down to 5 covering it, 7 mantissa bits up to
-    10), so below :data:`FP16_MAX` this is the weight itself, not a requantisation as :class:`Int8Rows` is; values
-    under 2^-14 keep all bits to 2^-24. Packed in chunks of rows, so that loading widens at most ``chunk`` rows to
-    float32 at a time."""
+    weights in registers), for a CPU that emulates bf16 products. Every bf16 value in fp16's normal range is an fp16
+    value (fp16's 10 mantissa bits hold bf16's 7), so up to :data:`FP16_MAX` this is the weight itself, not a
+    requantisation as :class:`Int8Rows` is; below 2^-14 (fp16's subnormals) a value keeps its bits down to 2^-24.
+    Packed in chunks of rows, so that loading widens at most ``chunk`` rows to float32 at a time."""
 
     def __init__(self, weight: torch.Tensor, max_rows: int, chunk: int = 8192) -> None:
         self.max_rows = max_rows
