@@ -235,7 +235,18 @@ def _greedy_against(plain: ModelRunner, other: ModelRunner) -> list[tuple[float,
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test, then back to what it was (the setting is the process's: left at 1, every later
+    test in the run would be held to one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
 def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None:
     """Every one of the default model's Q4_1 projections gets its grid; 48 greedy steps from two prompts pick the
     tokens the bf16 weights pick, but where those weights' top two are near-tied.
@@ -249,7 +260,6 @@ def test_the_default_model_decodes_the_same_greedy_tokens_on_its_grids() -> None
     there), and the grids' path flipped at a gap of 0.375 beside four flips at gaps of one grid step or none, where the
     bound was 0.3 before it counted that move. At most four flips may come at gaps wider than a grid step. Negative
     control: two layers' down projections' grids swapped, which this bound catches."""
-    torch.set_num_threads(1)
 
     def runner(grids: bool) -> ModelRunner:
         return make_runner(default_model_path(), device="cpu", dtype="bfloat16", block_size=16, num_blocks=16,
