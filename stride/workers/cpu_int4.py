@@ -266,7 +266,8 @@ def attach_fp16_head(model: nn.Module) -> int:
     weight = getattr(head, "weight", None)
     if head is None or not _cpu_bf16_matrix(weight) or not fp16_rows_available():
         return 0
-    if float(weight.data.abs().amax()) > FP16_MAX:
+    low, high = torch.aminmax(weight.data)  # no full-size copy at load, as abs() would make
+    if max(-float(low), float(high)) > FP16_MAX:
         return 0
     rows = Fp16Rows(weight.data, max_rows=1 << 30)
     setattr(head, "int8", rows)  # noqa: B010 (nn.Module's typing hides the slot; the small-step copy, whatever kind)
