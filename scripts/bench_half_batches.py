@@ -13,7 +13,11 @@ Variants: the full batch on one stream (and its attention alone, its projections
 with no order between them (``independent``), or with each half's projections held until the other half's
 attention has been issued (``staggered``: A's attention beside B's projections, then B's beside A's); one half alone.
 
-    PYTHONPATH=. python3 scripts/bench_half_batches.py [--layers 32] [--batch 256] [--context 1024]
+    PYTHONPATH=. python3 scripts/bench_half_batches.py [--layers 32] [--batch 256] [--context 1024] [--carveout 16,32]
+
+``--carveout N`` adds the staggered halves (and the projections alone) with cuBLASLt told to leave N of the GPU's
+SMs to the other stream (torch's experimental SM carve-out, which sets cuBLASLt's SM count target), so that one
+half's attention has SMs of its own beside the other half's projections.
 
 Prints figures; asserts nothing. CUDA only (about 50 GB of GPU memory at the defaults).
 """
@@ -144,6 +148,21 @@ def two_streams(m: Model, a: Rows, b: Rows, streams: tuple[torch.cuda.Stream, to
     main.wait_stream(sb)
 
 
+def carved(n: int, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with cuBLASLt's products leaving ``n`` SMs free (set while it is captured, so the graph keeps it)."""
+
+    def run() -> None:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(n)
+        try:
+            fn()
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library("default")
+
+    return run
+
+
 def graph_ms(fn: Callable[[], None], replays: int = 10) -> float:
     """Median ms of ``replays`` replays of ``fn`` captured as one CUDA graph (run twice first: Triton compiles)."""
     side = torch.cuda.Stream()
@@ -175,6 +194,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256, help="sequences (even)")
     p.add_argument("--context", type=int, default=1024, help="tokens of K/V each sequence reads")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--carveout", default="", help="comma-separated SM counts cuBLASLt leaves free (variants added)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("CUDA only")
@@ -196,6 +216,12 @@ def main() -> int:
         "one half alone": lambda: one_stream(m, a),
         "one half, projections only": lambda: one_stream(m, a, attention=False),
     }
+    for n in (int(c) for c in args.carveout.split(",") if c):
+        variants[f"projections only, cublaslt, {n} SMs left"] = carved(n, lambda: one_stream(m, full, attention=False))
+        variants[f"halves, staggered, cublaslt, {n} SMs left"] = carved(
+            n, lambda: two_streams(m, a, b, streams, staggered=True))
+    if args.carveout:
+        variants["halves, staggered, cublaslt, none left"] = carved(0, lambda: two_streams(m, a, b, streams, True))
     results: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
