@@ -90,9 +90,9 @@ def read_model(path: str) -> tuple[ModelArgs, set[str]]:
 
     if not is_gguf(path):
         return loader.read_model_args(path), set()
-    import gguf
+    from stride.model.gguf import read_gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     args = gguf_checkpoint.gguf_args(reader)
     packed = set(gguf_checkpoint.w4a16_projections(reader, args).values())  # "layers.N.<projection>"
     kinds = {name.split(".", 2)[2] for name in packed}

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from stride.model.gguf import read_gguf
+
 Split = Literal["column", "row", "kv_column", "vocab", "replicated"]
 
 
@@ -157,13 +159,10 @@ def from_hf_config(config: dict[str, Any], name: str = "") -> ModelGeometry:
 
 def from_gguf(path: str | Path) -> ModelGeometry:
     """Geometry from a GGUF file's metadata (``{arch}.block_count`` etc.); reads no tensor data."""
-    from gguf import GGUFReader  # imported here: only this path needs it
-
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
 
     def value(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        return reader.fields.get(key, default)
 
     arch = value("general.architecture")
     if arch is None:

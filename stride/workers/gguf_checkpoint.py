@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from stride.model.args import ModelArgs
+from stride.model.gguf import GGUFFile
 from stride.model.tensor_names import GGUF_EXPERTS_TO_HF, GGUF_LAYER_TO_HF, GGUF_TOP_TO_HF, PROJECTIONS
 from stride.workers.checkpoint import CheckpointTensor, Region
 
@@ -22,12 +23,11 @@ W4A16_TYPES = ("Q4_0", "Q4_1")
 """GGUF types the W4A16 GEMM takes as they are (a per-32 scale, and a min or the implied -8 * scale)."""
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
-def gguf_args(reader: Any) -> ModelArgs:
+def gguf_args(reader: GGUFFile) -> ModelArgs:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "mixtral"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (llama and mixtral only)")
@@ -69,7 +69,7 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def w4a16_projections(reader: Any, args: ModelArgs) -> dict[str, str]:
+def w4a16_projections(reader: GGUFFile, args: ModelArgs) -> dict[str, str]:
     """GGUF tensor name → our module path, for the projections whose every merged tensor is Q4_0/Q4_1."""
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     out: dict[str, str] = {}
@@ -144,7 +144,8 @@ def _packed_reader(raw: np.ndarray, qtype: str, kind: str, args: ModelArgs, scal
     return read
 
 
-def gguf_tensors(reader: Any, args: ModelArgs, packed: set[str], scale_dtype: torch.dtype) -> list[CheckpointTensor]:
+def gguf_tensors(reader: GGUFFile, args: ModelArgs, packed: set[str],
+                 scale_dtype: torch.dtype) -> list[CheckpointTensor]:
     """Every tensor under its HF name (Mixtral's experts one per expert), each read by region from the memory-mapped
     file: dequantised to float32, or as a W4A16Weight for the GGUF names in ``packed``."""
     out = []

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from stride import env
 from stride.model.files import default_model_path, is_gguf
+from stride.model.gguf import read_gguf
 from stride.workers.checkpoint import Part
 from stride.workers.gguf_checkpoint import gguf_args, gguf_tensors, w4a16_projections
 from stride.workers.hf_checkpoint import safetensors_tensors
@@ -67,9 +68,7 @@ def use_w4a16(device_type: str, backend: str, setting: str = "") -> bool:
 def read_model_args(path: str) -> ModelArgs:
     """Model shape of an HF checkpoint directory or a GGUF file, without loading weights."""
     if is_gguf(path):
-        import gguf
-
-        return gguf_args(gguf.GGUFReader(path))
+        return gguf_args(read_gguf(path))
     return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
@@ -100,9 +99,7 @@ def load_model(
         # before the model build, which can import it.
         env.TRITON_INTERPRET.set_default("1")
     if is_gguf(path):
-        import gguf
-
-        reader = gguf.GGUFReader(path)
+        reader = read_gguf(path)
         args = gguf_args(reader)
         packed = w4a16_projections(reader, args) if w4a16 else {}
         tensors = gguf_tensors(reader, args, set(packed), scale_dtype)

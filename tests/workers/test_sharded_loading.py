@@ -63,11 +63,10 @@ def _whole_tensors(model: Path, report: LoadReport) -> int:
 def _reader_args(model: Path) -> tuple[Any, ...]:
     if model.suffix != ".gguf":
         return (model,)
-    import gguf
-
+    from stride.model.gguf import read_gguf
     from stride.workers.gguf_checkpoint import gguf_args
 
-    reader = gguf.GGUFReader(str(model))
+    reader = read_gguf(model)
     return (reader, gguf_args(reader), set(), torch.float32)
 
 
