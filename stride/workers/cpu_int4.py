@@ -389,8 +389,10 @@ def drop_large_step_weights(model: nn.Module) -> tuple[int, int]:
 def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, embedding_rows: bool = False) -> int:
     """A bf16 model's small-step copies as the CPU worker holds them (:func:`attach` with ``int4``,
     :func:`attach_head` with ``int8_head``; :func:`upcast_large_steps` without ``native_bf16``; the embedding's
-    :class:`Q8Rows` with ``embedding_rows``, which :func:`pack_large_steps` then relies on). Returns the rows of
-    the largest step they take (0: none attached)."""
+    :class:`Q8Rows` with ``embedding_rows``, which :func:`pack_large_steps` then relies on). Where bf16 is emulated
+    and the head holds its fp16 copy, a weight it shares with the embedding goes once the embedding reads its Q8Rows
+    (:func:`drop_tied_weight`: the default model's 57 MB, for 28 MB of rows). Returns the rows of the largest step
+    they take (0: none attached)."""
     if embedding_rows and _tied(model):  # only a tied head needs the embedding off its bf16 weight
         attach_rows(model)
     max_rows = max_small_rows(native_bf16)
@@ -401,8 +403,10 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
             small_step_rows = max_rows
             log.info("%d projections also hold their 4-bit grid (%.0f MB) for steps of up to %d rows", count,
                      nbytes / 1e6, max_rows)
+    fp16_head = False
     if int8_head and not native_bf16 and (nbytes := attach_fp16_head(model)):
         small_step_rows = max_rows
+        fp16_head = True
         log.info("the output projection also holds an fp16 copy (%.0f MB, fbgemm's layout) for every step",
                  nbytes / 1e6)
     elif int8_head and not (embedding_rows and head_packs(model)):  # a head packed later needs no int8 copy
@@ -419,7 +423,24 @@ def prepare(model: nn.Module, int4: bool, int8_head: bool, native_bf16: bool, em
         if dropped:
             log.info("%d projections take those steps on their 4-bit grids unpacked, holding no bf16 weight (%.0f MB "
                      "less)", dropped, nbytes / 1e6)
+    if fp16_head and _tied(model) and (rows := attach_rows(model)):
+        nbytes = drop_tied_weight(model)
+        log.info("the token embedding reads its Q8_0 rows (%.0f MB) and the output projection its fp16 copy: the tied "
+                 "bf16 weight goes (%.0f MB less)", rows / 1e6, nbytes / 1e6)
     return small_step_rows
+
+
+def drop_tied_weight(model: nn.Module) -> int:
+    """Replace the weight the output projection and the token embedding share with a meta tensor of its shape, where
+    neither reads it: the embedding's lookups read its :class:`Q8Rows`, the head's every step its fp16 copy
+    (:class:`Fp16Rows`). Returns the bytes given up."""
+    head, embedding = getattr(model, "lm_head"), getattr(model, "embed_tokens")  # noqa: B009 (typing: modules)
+    w = head.weight
+    assert vars(embedding).get("rows") is not None and isinstance(head.int8, Fp16Rows), "the weight is still read"
+    meta = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    head.weight = embedding.weight = meta
+    trim_heap()
+    return w.numel() * w.element_size()
 
 
 PACK_ROWS = 16

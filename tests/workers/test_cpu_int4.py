@@ -346,6 +346,52 @@ def test_the_fp16_head_is_the_bf16_weight_itself_for_every_step() -> None:
     assert not ((cpu_int4.Int8Rows(w)(x.bfloat16()).float() - ref).abs() <= bound).all()
 
 
+def _tied_toy(q8: bool) -> torch.nn.Module:
+    """A tied embedding and output projection (320 x 64), its weight in Q8_0's form (a GGUF Q8_0 tensor
+    dequantised to bf16, as the loader makes it) or one value off that form."""
+    import gguf
+
+    from stride.workers.models.layers import Embedding
+
+    g = np.random.default_rng(3)
+    raw = gguf.quants.quantize(g.standard_normal((320, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)).to(torch.bfloat16)
+    if not q8:
+        w[7, :2] = torch.tensor([100.0, 0.0123])  # a step of ~100 / 127 cannot give 0.0123 back
+    model = torch.nn.Module()
+    model.embed_tokens = Embedding(320, 64)
+    model.lm_head = VocabParallelHead(64, 320)
+    model.embed_tokens.weight.data = w
+    model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.skipif(not cpu_int4.fp16_rows_available(), reason="no fbgemm fp16 GEMM in this torch")
+def test_where_bf16_is_emulated_the_tied_weight_goes_once_rows_and_the_fp16_copy_read_it() -> None:
+    """On a CPU that emulates bf16, the head holds an fp16 copy for every step; where it is tied to an embedding
+    whose weight has Q8_0's form, lookups read the Q8_0 rows and the shared bf16 weight goes (a meta tensor): the
+    same embeddings and logits as before, to the bit. Negative controls: a weight off Q8_0's form, and a CPU with
+    native bf16 (no fp16 copy), keep it."""
+    model = _tied_toy(q8=True)
+    w = model.embed_tokens.weight.data.clone()
+    ids = torch.tensor([0, 7, 319, 7, 100])
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    want_rows, want_logits = F.embedding(ids, w), cpu_int4.Fp16Rows(w, 1 << 30)(x)
+    cpu_int4.prepare(model, int4=False, int8_head=True, native_bf16=False)
+    assert model.embed_tokens.weight.is_meta and model.lm_head.weight is model.embed_tokens.weight
+    assert tuple(model.lm_head.weight.shape) == (320, 64)
+    assert torch.equal(model.embed_tokens(ids), want_rows)
+    assert torch.equal(model.lm_head(x), want_logits)
+    assert model.lm_head(torch.randn(300, 64).to(torch.bfloat16)).isfinite().all()  # a large step, no weight
+    off = _tied_toy(q8=False)
+    cpu_int4.prepare(off, int4=False, int8_head=True, native_bf16=False)
+    assert not off.embed_tokens.weight.is_meta and off.embed_tokens.rows is None
+    assert isinstance(off.lm_head.int8, cpu_int4.Fp16Rows)
+    native = _tied_toy(q8=True)
+    cpu_int4.prepare(native, int4=False, int8_head=True, native_bf16=True)
+    assert not native.embed_tokens.weight.is_meta and not isinstance(native.lm_head.int8, cpu_int4.Fp16Rows)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_the_runner_fits_the_small_steps_to_the_cpu(native: bool, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
