@@ -361,6 +361,12 @@ def upcast_large_steps(model: nn.Module) -> int:
     return count
 
 
+def _not_held(weight: torch.Tensor) -> nn.Parameter:
+    """A meta tensor of ``weight``'s shape and dtype, standing for a weight the module no longer holds (which
+    :func:`stride.workers.models.layers.project` reads as "not held")."""
+    return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+
+
 def drop_large_step_weights(model: nn.Module) -> tuple[int, int]:
     """On a CPU that emulates bf16 products: each projection with a 4-bit grid takes its large steps on the grid too,
     unpacked to float32 per step (:meth:`Int4Weight.widened`), and gives up its bf16 weight (a meta tensor of its
@@ -378,7 +384,7 @@ def drop_large_step_weights(model: nn.Module) -> tuple[int, int]:
         grid, weight = vars(module).get("int4"), getattr(module, "weight", None)
         if not isinstance(grid, Int4Weight) or not _cpu_bf16_matrix(weight) or not grid.agrees(weight):
             continue
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        module.weight = _not_held(weight)
         count += 1
         nbytes += weight.numel() * weight.element_size()
     if count:
@@ -437,8 +443,7 @@ def drop_tied_weight(model: nn.Module) -> int:
     head, embedding = getattr(model, "lm_head"), getattr(model, "embed_tokens")  # noqa: B009 (typing: modules)
     w = head.weight
     assert vars(embedding).get("rows") is not None and isinstance(head.int8, Fp16Rows), "the weight is still read"
-    meta = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
-    head.weight = embedding.weight = meta
+    head.weight = embedding.weight = _not_held(w)
     trim_heap()
     return w.numel() * w.element_size()
 
@@ -535,7 +540,7 @@ def pack_large_steps(model: nn.Module, compiled: bool) -> tuple[int, int]:
         setattr(head, "int8", None)  # noqa: B010 (nn.Module's typing hides the slot)
         if tied:  # lookups read the embedding's rows
             embedding: nn.Module = getattr(model, "embed_tokens")  # noqa: B009 (typing: a module, not a tensor)
-            embedding.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+            embedding.weight = _not_held(w)
         count += 1
         nbytes += w.numel() * w.element_size()
     if count:
