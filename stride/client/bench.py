@@ -1,7 +1,8 @@
 """``stride bench``: a load generator for any OpenAI-compatible endpoint.
 
 Sends ``--num-requests`` streaming requests of random word prompts (about ``--input-len`` tokens: common
-English words are one token each in BPE vocabularies) at a Poisson ``--request-rate`` and/or under a
+English words are one token each in BPE vocabularies; the report gives the server's own count, ``usage.prompt_tokens``,
+where it sends one) at a Poisson ``--request-rate`` and/or under a
 ``--max-concurrency`` cap, each asking for ``--output-len`` tokens (``max_tokens``; ``--ignore-eos`` adds
 the vLLM/Stride extension so the length is reached, for servers that accept it). It times every streamed
 chunk and reports request throughput, output tokens/s, and TTFT, TPOT, ITL and end-to-end latency
@@ -50,6 +51,7 @@ class RequestResult:
     ok: bool = False
     error: str = ""
     prompt_words: int = 0
+    prompt_tokens: int = 0  # the server's count (usage.prompt_tokens), 0 where it sent none
     output_tokens: int = 0
     start: float = 0.0
     ttft: float = 0.0
@@ -68,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mean requests/s of Poisson arrivals (default: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=0,
                         help="requests in flight at most (0: no cap)")
-    parser.add_argument("--input-len", type=int, default=256, help="prompt length in (word) tokens")
+    parser.add_argument("--input-len", type=int, default=256,
+                        help="prompt length in words (one token each in most BPE vocabularies; the report gives the "
+                             "server's count)")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="draw lengths uniformly in [len·(1−r), len·(1+r)]")
@@ -161,6 +165,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 chunk = json.loads(data)
                 if chunk.get("usage"):
                     usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
                 if not _chunk_text(chunk):
                     continue
                 now = time.perf_counter() - t0
@@ -308,6 +313,8 @@ def summarize(results: list[RequestResult], duration: float, model: str,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": output_tokens / duration if duration > 0 else 0.0,
         "total_output_tokens": output_tokens, "total_input_words": sum(r.prompt_words for r in ok),
+        "total_input_tokens": (sum(r.prompt_tokens for r in ok) if ok and all(r.prompt_tokens for r in ok)
+                               else None),
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(_tpots(ok)),
         "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in ok]),
         "shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes,
@@ -327,6 +334,7 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [f"{s['completed']} requests completed, {s['failed']} failed, in {s['duration_s']:.2f} s",
              f"request throughput   {s['request_throughput']:.2f} req/s",
              f"output throughput    {s['output_throughput']:.1f} tok/s",
+             *_input_line(s),
              f"{'(ms)':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
     for key, label in _METRICS:
         st = s[key]
@@ -345,6 +353,18 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"({t['eager_step_ms']:.2f} ms); {t['early_steps']:.0f} launched early")
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
+
+
+def _input_line(s: dict[str, Any]) -> list[str]:
+    """The prompts' mean size in words sent and, where the server counted them, in its tokens: a word is one
+    token in most BPE vocabularies, but not in a byte-level one (a random checkpoint's makes it several)."""
+    if not s["completed"]:
+        return []
+    words = s["total_input_words"] / s["completed"]
+    if s.get("total_input_tokens") is None:
+        return [f"prompt size          {words:.1f} words a request (the server sent no token count)"]
+    tokens = s["total_input_tokens"] / s["completed"]
+    return [f"prompt size          {words:.1f} words = {tokens:.1f} tokens a request ({tokens / words:.2f} a word)"]
 
 
 def _pyplot() -> Any:

@@ -53,7 +53,10 @@ class FakeServer:
             choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if self.usage and body.get("stream_options", {}).get("include_usage"):
-            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+            # a prompt's tokens: two a word (as a byte-level vocabulary might count them)
+            text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
+            usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"],
+                                              "prompt_tokens": 2 * len(text.split())}}
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         self.in_flight -= 1
@@ -120,7 +123,8 @@ def test_completions_stream_json_and_plot(tmp_path: Path, capsys: pytest.Capture
                               "--input-len", "20", "--output-len", "5", "--out-json", str(out_json),
                               "--out-png", str(out_png)))
     assert rc == 0
-    assert "request throughput" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "request throughput" in out and "20.0 words = 40.0 tokens a request (2.00 a word)" in out
     assert len(server.bodies) == 8 and server.max_in_flight <= 2
     for body in server.bodies:
         assert body["model"] == "fake-model" and body["stream"] is True and body["max_tokens"] == 5
@@ -128,6 +132,7 @@ def test_completions_stream_json_and_plot(tmp_path: Path, capsys: pytest.Capture
     data = json.loads(out_json.read_text())
     s = data["summary"]
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (8, 0, 40)
+    assert (s["total_input_words"], s["total_input_tokens"]) == (160, 320)
     assert s["request_throughput"] > 0 and s["output_throughput"] > 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
         assert 0 < s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
@@ -150,6 +155,8 @@ def test_chat_poisson_and_counting_chunks_without_usage() -> None:
         summary, results = asyncio.run(bench.run_benchmark(args))
     assert summary["completed"] == 6
     assert summary["total_output_tokens"] == sum(b["max_tokens"] for b in server.bodies)
+    assert summary["total_input_tokens"] is None  # no usage: no token count, and the report says so
+    assert "the server sent no token count" in bench.format_summary(summary)
     assert all(b["messages"][0]["role"] == "user" and b["ignore_eos"] is True for b in server.bodies)
     assert all(b["model"] == "m" for b in server.bodies)
     starts = [r.start for r in results]
