@@ -10,6 +10,8 @@ and prints the best of five passes in µs a layer. The weights lie on a Q4_1 gri
 - ``grids``: the worker's 4-bit grids (``stride.workers.cpu_int4``; torch's ``_weight_int4pack_mm_for_cpu``);
 - ``f32``: ``F.linear`` on float32 weights (MKL); ``onednn``: float32 through oneDNN with the weights prepacked;
 - ``fbgemm8``: fbgemm's dynamic int8 linear (per-channel weights; one activation scale for the whole batch);
+- ``fbgemm16``: fbgemm's fp16 GEMM (fp16 weights packed in blocks of 512 inputs, widened in registers; float32
+  activations and sums: the head's path where bf16 is emulated);
 - ``int_mm``: ``torch._int_mm`` (int8 x int8 to int32);
 - ``cpp_bf16``: inductor's CPP GEMM template on frozen bf16 weights (``max_autotune``; a minute or two to build).
 
@@ -87,6 +89,10 @@ def kernels(kind: str, weights: list[list[torch.Tensor]]) -> Pass:
                 row.append(nnqd.Linear.from_float(lin))
             mods.append(row)
         return lambda x, xd: lambda: [m(xd if i == 3 else x) for layer in mods for i, m in enumerate(layer)]
+    if kind == "fbgemm16":
+        packed16 = [[torch.ops.quantized.linear_prepack_fp16(w, None) for w in layer] for layer in weights]
+        return lambda x, xd: lambda: [torch.ops.quantized.linear_dynamic_fp16(xd if i == 3 else x, w)
+                                      for layer in packed16 for i, w in enumerate(layer)]
     if kind == "int_mm":
         q = [[(w / (w.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8).t().contiguous() for w in layer]
              for layer in weights]
