@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,9 @@ def _get(body: dict[str, Any], name: str, kind: str) -> Any:
     ok = {"int": _is_int(v), "number": (_is_int(v) or isinstance(v, float)), "bool": isinstance(v, bool),
           "str": isinstance(v, str), "dict": isinstance(v, dict), "list": isinstance(v, list)}[kind]
     if not ok:
+        if kind == "int" and isinstance(v, float) and math.isfinite(v) and abs(v) >= 2**63:
+            # The JSON reader gives an integer literal past 64 bits as a float: say what was sent, not "float".
+            raise invalid(f"'{name}' must be an integer that fits 64 bits, got {v:.6g}", name)
         want = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
                 "dict": "an object", "list": "an array"}[kind]
         raise invalid(f"'{name}' must be {want}, got {type(v).__name__}", name)

@@ -187,6 +187,16 @@ def test_context_errors_share_one_code(server: LiveServer) -> None:
     assert code == 200, data
 
 
+def test_integers_past_64_bits_are_named_as_such(server: LiveServer) -> None:
+    """An integer literal past 64 bits reaches the validator as a float (the JSON reader's way): the 400 says it is
+    too large, not that it is a float; a real float still gets the plain message (negative control)."""
+    for body, fragment in [(comp(seed=2**80), "fits 64 bits, got 1.20893e+24"), (comp(top_k=-(2**70)), "fits 64 bits"),
+                           (comp(seed=2.5), "must be an integer, got float")]:
+        code, _, data = raw(server.url, "POST", C, body)
+        err = json.loads(data)["error"]
+        assert code == 400 and fragment in err["message"], err
+
+
 def test_api_key_file_parsing(tmp_path: object) -> None:
     import pathlib
     d = pathlib.Path(str(tmp_path))
