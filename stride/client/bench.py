@@ -1,10 +1,11 @@
 """``stride bench``: a load generator for any OpenAI-compatible endpoint.
 
-Sends ``--num-requests`` streaming requests of random word prompts (about ``--input-len`` tokens: common
-English words are one token each in BPE vocabularies; the report gives the server's own count, ``usage.prompt_tokens``,
-where it sends one) at a Poisson ``--request-rate`` and/or under a
-``--max-concurrency`` cap, each asking for ``--output-len`` tokens (``max_tokens``; ``--ignore-eos`` adds
-the vLLM/Stride extension so the length is reached, for servers that accept it). It times every streamed
+Sends ``--num-requests`` streaming requests of random word prompts (``--input-len`` words, about as many tokens:
+common English words are one token each in BPE vocabularies; the report gives the server's own count,
+``usage.prompt_tokens``, where it sends one, and ``--input-unit tokens`` sizes the prompts in the server's tokens
+from two probe requests) at a Poisson ``--request-rate`` and/or under a ``--max-concurrency`` cap, each asking
+for ``--output-len`` tokens (``max_tokens``; ``--ignore-eos`` adds the vLLM/Stride extension so the length is
+reached, for servers that accept it). It times every streamed
 chunk and reports request throughput, output tokens/s, and TTFT, TPOT, ITL and end-to-end latency
 (mean, p50, p90, p99, in ms), as text, as JSON (``--out-json``) and as a PNG plot (``--out-png``).
 
@@ -72,7 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at most (0: no cap)")
     parser.add_argument("--input-len", type=int, default=256,
                         help="prompt length in words (one token each in most BPE vocabularies; the report gives the "
-                             "server's count)")
+                             "server's count), or in the server's tokens with --input-unit tokens")
+    parser.add_argument("--input-unit", choices=("words", "tokens"), default="words",
+                        help="what --input-len and --shared-prefix-len count; tokens: two probe requests first "
+                             "measure the server's tokens a word (and its template's), and the prompts are sized "
+                             "to them (the server must report usage.prompt_tokens)")
     parser.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="draw lengths uniformly in [len·(1−r), len·(1+r)]")
@@ -197,18 +202,24 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     base_url = args.base_url.rstrip("/")
     url = f"{base_url}/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    prompts = make_prompts(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed,
-                           args.shared_prefix_len, args.num_prefixes)
     arrivals = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency > 0 else None
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     # A fresh connection per request: llama.cpp's server closes kept-alive connections that the pool would then
     # reuse, and 7-13 of 48 requests failed at 16 clients ("Can not write request body"), none with this.
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=True)
-    results = [RequestResult(prompt_words=words) for _, words, _ in prompts]
-    bar = tqdm(total=len(prompts), disable=args.no_progress, desc="requests", file=sys.stderr)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         model = args.model or await _first_model(session, base_url)
+        input_words, prefix_words, calibration = args.input_len, args.shared_prefix_len, None
+        if args.input_unit == "tokens":
+            calibration = await calibrate(session, url, args, model)
+            per_word, template = calibration
+            input_words = max(1, round((args.input_len - template) / per_word))
+            prefix_words = round(args.shared_prefix_len / per_word)
+        prompts = make_prompts(args.num_requests, input_words, args.output_len, args.range_ratio, args.seed,
+                               prefix_words, args.num_prefixes)
+        results = [RequestResult(prompt_words=words) for _, words, _ in prompts]
+        bar = tqdm(total=len(prompts), disable=args.no_progress, desc="requests", file=sys.stderr)
 
         async def send(i: int) -> None:
             body = _request_body(args, model, prompts[i][0], prompts[i][2])
@@ -235,7 +246,33 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     bar.close()
     summary = summarize(results, duration, model, args)
     summary["step_timeline"] = step_timeline(before, after) if before is not None and after is not None else None
+    if calibration is not None:
+        summary["tokens_per_word"], summary["template_tokens"] = calibration
     return summary, results
+
+
+CALIBRATION_WORDS = (32, 160)
+"""The two probe prompts' sizes in words for ``--input-unit tokens``."""
+
+
+async def calibrate(session: aiohttp.ClientSession, url: str, args: argparse.Namespace,
+                    model: str) -> tuple[float, float]:
+    """The server's tokens a word of the bench's prompts and the tokens its template adds to a prompt (chat), from
+    two probe requests of :data:`CALIBRATION_WORDS` words (one token asked each) and their ``usage.prompt_tokens``."""
+    counts = []
+    for words in CALIBRATION_WORDS:
+        prompt = make_prompts(1, words, 1, 0.0, args.seed + 7)[0][0]
+        result = RequestResult()
+        await _one_request(session, url, _request_body(args, model, prompt, 1), time.perf_counter(), result)
+        if not result.prompt_tokens:
+            raise RuntimeError(f"--input-unit tokens: the server gave no usage.prompt_tokens for a probe request "
+                               f"({result.error or 'no usage in its stream'})")
+        counts.append(result.prompt_tokens)
+    (w1, w2), (t1, t2) = CALIBRATION_WORDS, counts
+    per_word = (t2 - t1) / (w2 - w1)
+    if per_word <= 0:
+        raise RuntimeError(f"--input-unit tokens: probes of {w1} and {w2} words counted {t1} and {t2} tokens")
+    return per_word, max(0.0, t1 - per_word * w1)
 
 
 TIMELINE_COUNTERS = ("steps", "step_device_seconds", "step_worker_seconds", "step_round_trip_seconds",
@@ -364,7 +401,10 @@ def _input_line(s: dict[str, Any]) -> list[str]:
     if s.get("total_input_tokens") is None:
         return [f"prompt size          {words:.1f} words a request (the server sent no token count)"]
     tokens = s["total_input_tokens"] / s["completed"]
-    return [f"prompt size          {words:.1f} words = {tokens:.1f} tokens a request ({tokens / words:.2f} a word)"]
+    line = f"prompt size          {words:.1f} words = {tokens:.1f} tokens a request ({tokens / words:.2f} a word)"
+    if s.get("tokens_per_word") is not None:
+        line += f"; sized from probes: {s['tokens_per_word']:.2f} tokens a word, {s['template_tokens']:.0f} of template"
+    return [line]
 
 
 def _pyplot() -> Any:
@@ -442,6 +482,9 @@ def main(args: argparse.Namespace) -> int:
     except aiohttp.ClientError as e:
         print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # --input-unit tokens against a server that counts none
+        print(f"stride bench: {e}", file=sys.stderr)
+        return 1
     print(format_summary(summary))
     if args.out_json:
         with open(args.out_json, "w") as f:
@@ -460,6 +503,9 @@ def _sweep(args: argparse.Namespace, rates: list[float]) -> int:
             summary, _ = asyncio.run(run_benchmark(run_args))
         except aiohttp.ClientError as e:
             print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
+            return 1
+        except RuntimeError as e:
+            print(f"stride bench: {e}", file=sys.stderr)
             return 1
         print(f"--- request rate {rate} req/s\n{format_summary(summary)}\n", flush=True)
         rows.append(summary)

@@ -53,10 +53,10 @@ class FakeServer:
             choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if self.usage and body.get("stream_options", {}).get("include_usage"):
-            # a prompt's tokens: two a word (as a byte-level vocabulary might count them)
+            # a prompt's tokens: two a word (as a byte-level vocabulary might count them), and a chat template's 7
             text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
             usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"],
-                                              "prompt_tokens": 2 * len(text.split())}}
+                                              "prompt_tokens": 2 * len(text.split()) + 7 * chat}}
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         self.in_flight -= 1
@@ -146,6 +146,33 @@ def test_no_concurrency_cap_sends_all_at_once() -> None:
     with FakeServer() as server:
         assert bench.main(_args("--base-url", server.url, "--num-requests", "8", "--output-len", "20")) == 0
     assert server.max_in_flight > 2
+
+
+def test_input_unit_tokens_sizes_prompts_from_the_servers_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--input-unit tokens``: two probes measure the server's tokens a word (2) and its template's (7), and the
+    prompts are sized so that the server counts ``--input-len`` tokens; a shared prefix is sized in tokens too. With
+    words (the default) the same numbers count words (negative control). A server without usage: a clear error."""
+    with FakeServer() as server:
+        args = _args("--base-url", server.url, "--endpoint", "chat", "--num-requests", "4", "--output-len", "2",
+                     "--input-unit", "tokens", "--input-len", "101", "--shared-prefix-len", "40")
+        summary, results = asyncio.run(bench.run_benchmark(args))
+    probes, load = server.bodies[:2], server.bodies[2:]
+    assert [len(b["messages"][0]["content"].split()) for b in probes] == list(bench.CALIBRATION_WORDS)
+    assert all(b["max_tokens"] == 1 for b in probes) and len(load) == 4
+    assert (summary["tokens_per_word"], summary["template_tokens"]) == (2.0, 7.0)
+    assert all(len(b["messages"][0]["content"].split()) == 20 + 47 for b in load)  # (101 - 7) / 2 own, 40 / 2 shared
+    assert summary["total_input_tokens"] == 4 * 141  # 2 x 67 + 7: the 101 asked, plus the prefix's 40
+    assert "sized from probes: 2.00 tokens a word, 7 of template" in bench.format_summary(summary)
+    with FakeServer() as server:
+        args = _args("--base-url", server.url, "--endpoint", "chat", "--num-requests", "2", "--output-len", "2",
+                     "--input-len", "101")
+        summary, _ = asyncio.run(bench.run_benchmark(args))
+    assert [len(b["messages"][0]["content"].split()) for b in server.bodies] == [101, 101]
+    assert "tokens_per_word" not in summary
+    with FakeServer(usage=False) as server:
+        rc = bench.main(_args("--base-url", server.url, "--num-requests", "2", "--input-unit", "tokens"))
+    assert rc == 1 and "gave no usage.prompt_tokens" in capsys.readouterr().err
+    assert len(server.bodies) == 1  # the first probe, and no load after it
 
 
 def test_chat_poisson_and_counting_chunks_without_usage() -> None:
