@@ -255,6 +255,10 @@ CALIBRATION_WORDS = (32, 160)
 """The two probe prompts' sizes in words for ``--input-unit tokens``."""
 
 
+class CalibrationError(RuntimeError):
+    """``--input-unit tokens`` could not size the prompts: the server's counts are missing or make no sense."""
+
+
 async def calibrate(session: aiohttp.ClientSession, url: str, args: argparse.Namespace,
                     model: str) -> tuple[float, float]:
     """The server's tokens a word of the bench's prompts and the tokens its template adds to a prompt (chat), from
@@ -265,13 +269,13 @@ async def calibrate(session: aiohttp.ClientSession, url: str, args: argparse.Nam
         result = RequestResult()
         await _one_request(session, url, _request_body(args, model, prompt, 1), time.perf_counter(), result)
         if not result.prompt_tokens:
-            raise RuntimeError(f"--input-unit tokens: the server gave no usage.prompt_tokens for a probe request "
+            raise CalibrationError(f"--input-unit tokens: the server gave no usage.prompt_tokens for a probe request "
                                f"({result.error or 'no usage in its stream'})")
         counts.append(result.prompt_tokens)
     (w1, w2), (t1, t2) = CALIBRATION_WORDS, counts
     per_word = (t2 - t1) / (w2 - w1)
     if per_word <= 0:
-        raise RuntimeError(f"--input-unit tokens: probes of {w1} and {w2} words counted {t1} and {t2} tokens")
+        raise CalibrationError(f"--input-unit tokens: probes of {w1} and {w2} words counted {t1} and {t2} tokens")
     return per_word, max(0.0, t1 - per_word * w1)
 
 
@@ -482,7 +486,7 @@ def main(args: argparse.Namespace) -> int:
     except aiohttp.ClientError as e:
         print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # --input-unit tokens against a server that counts none
+    except CalibrationError as e:
         print(f"stride bench: {e}", file=sys.stderr)
         return 1
     print(format_summary(summary))
@@ -504,7 +508,7 @@ def _sweep(args: argparse.Namespace, rates: list[float]) -> int:
         except aiohttp.ClientError as e:
             print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
             return 1
-        except RuntimeError as e:
+        except CalibrationError as e:
             print(f"stride bench: {e}", file=sys.stderr)
             return 1
         print(f"--- request rate {rate} req/s\n{format_summary(summary)}\n", flush=True)
