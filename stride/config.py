@@ -253,6 +253,10 @@ class WorkerConfig:
     """GPU name in the planner's catalog, for the simulated backend's cost model."""
     gpu_memory_utilization: float = 0.9
     """Share of the device memory the worker may use for weights, activations and KV cache."""
+    num_gpu_blocks: int = 0
+    """KV blocks of a CUDA worker's pool: 0 sizes it from the memory left (the planner's formula); a count is taken
+    as it is, and refused at start where the memory left does not hold it (a smaller pool than memory allows: a GPU
+    shared with other work, or preemption to be seen under a test load)."""
     seed: int = 0
     """Seed of the sampler's default generator."""
     num_threads: int = 0
@@ -316,6 +320,8 @@ class WorkerConfig:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_gpu_blocks < 0:
+            raise ValueError(f"num_gpu_blocks must be 0 (from memory) or positive, got {self.num_gpu_blocks}")
         quantize_group_size(self.quantize)  # ValueError for a value it does not know
 
 

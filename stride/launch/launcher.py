@@ -305,8 +305,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="waiting-queue bound; past it new requests get 429 with Retry-After")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's context length")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks,
-                   help="KV blocks on CPU or with the simulated backend (a GPU sizes its cache itself)")
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help=f"KV blocks in the pool (default: {CacheConfig.num_blocks} on a CPU and with the simulated "
+                        "backend; on CUDA all that the memory left after the weights holds, and a count given there "
+                        "is refused at start if that memory does not hold it)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=WorkerConfig.gpu_memory_utilization,
+                   help="share of each GPU's memory the worker may take for weights, activations and KV cache")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-overlap", action="store_true",
                    help="one step in flight at a time (default: the next step is built while one runs)")
@@ -332,7 +336,7 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
         raise SystemExit(f"stride serve: --max-model-len {max_len} exceeds the model's context ({trained})")
     return StrideConfig(
         ipc=make_ipc_config(),
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks or CacheConfig.num_blocks,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                                   max_num_batched_tokens=args.max_num_batched_tokens
@@ -343,7 +347,8 @@ def config_from_args(args: argparse.Namespace) -> StrideConfig:
                             tensor_parallel_size=args.tp, num_threads=args.threads, kv_dtype=args.kv_dtype,
                             cuda_graphs=not args.enforce_eager, quantize=args.quantize,
                             cpu_compile=not args.enforce_eager and env.CPU_COMPILE.get_bool(),
-                            hang_timeout_s=args.rank_hang_timeout,
+                            hang_timeout_s=args.rank_hang_timeout, num_gpu_blocks=args.num_blocks,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
                             **({"device": args.device} if args.device else {})),
         server=ServerConfig(host=args.host, port=args.port, tokenizer_workers=args.tokenizer_workers,
                             api_keys_file=args.api_keys, model_name=args.served_model_name,

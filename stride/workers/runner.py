@@ -94,13 +94,25 @@ class RunnerConfig:
     @staticmethod
     def from_launch(worker: WorkerConfig, cache: CacheConfig, sched: SchedulerConfig,
                     tp_rank: int = 0) -> RunnerConfig:
-        """As the worker process runs: on CUDA the cache is sized from free memory, on CPU it has
-        ``cache.num_blocks`` blocks."""
+        """As the worker process runs: on CUDA the cache is sized from free memory (or has ``worker.num_gpu_blocks``
+        where given, :func:`gpu_pool_blocks`), on CPU it has ``cache.num_blocks`` blocks."""
         device, _ = resolve_device_dtype(worker.device, worker.dtype)
         return RunnerConfig(worker, block_size=cache.block_size,
                             num_blocks=None if device.type == "cuda" else cache.num_blocks,
                             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
                             max_model_len=sched.max_model_len, tp_rank=tp_rank)
+
+
+def gpu_pool_blocks(requested: int, fits: int, free_bytes: int) -> int:
+    """The blocks of a CUDA worker's pool: ``requested`` (``WorkerConfig.num_gpu_blocks``) where given and held by
+    the memory left, else all that fit. ``MemoryError`` naming both counts where the request is more than fits, or
+    where not one block fits."""
+    if fits < 1:
+        raise MemoryError(f"no room for a KV block: {free_bytes / 2**30:.2f} GiB free after the weights")
+    if requested > fits:
+        raise MemoryError(f"a pool of {requested} KV blocks was asked for; the memory left for it after the weights "
+                          f"and activations ({free_bytes / 2**30:.2f} GiB of the share allowed) holds {fits}")
+    return requested or fits
 
 
 def refuse_weights_that_cannot_fit(model: str, dtype: torch.dtype, quantize_group: int, w4a16: bool, tp_size: int,
@@ -190,15 +202,13 @@ class ModelRunner:
             free = free_device_bytes(self.device, worker.gpu_memory_utilization)
             # With decode graphs their buffers are reserved too (the planner's formula): they are allocated at
             # capture, after the cache took its share (at start, and for longer contexts on first use).
-            num_blocks = num_blocks_for_memory(
+            fits = num_blocks_for_memory(
                 self.args, free, block_size, self.dtype, config.max_num_batched_tokens, max_num_seqs, tp_size,
                 graph_table_width=self.table_width if graphs else 0, kv_dtype=self.kv_dtype,
             )
             # The decode graphs' padding block comes out of the measured memory too.
-            num_blocks -= int(graphs)
-            num_blocks = self.tp.agree_min(num_blocks, self.device)  # every rank holds the same blocks
-            if num_blocks < 1:
-                raise MemoryError(f"no room for a KV block: {free / 2**30:.2f} GiB free after the weights")
+            fits = self.tp.agree_min(fits - int(graphs), self.device)  # every rank holds the same blocks
+            num_blocks = gpu_pool_blocks(worker.num_gpu_blocks, fits, free)
         # With decode graphs the cache has one block more than the scheduler may name: the padding rows' own.
         self.kv_cache = KVCache(self.args, num_blocks + int(graphs), block_size, self.device, self.kv_dtype, tp_size)
         self.num_blocks = num_blocks

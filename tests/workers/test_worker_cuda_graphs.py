@@ -243,6 +243,14 @@ def test_serve_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert config_from_args(parser.parse_args([*base, "--kv-dtype", "fp8"])).worker.kv_dtype == "fp8"
     with pytest.raises(ValueError, match="kv_dtype"):
         WorkerConfig(kv_dtype="int8")
+    # The pool: --num-blocks sizes the scheduler's pool and, on CUDA, the worker's (0 there: from memory), and the
+    # memory share goes to the worker.
+    plain = config_from_args(parser.parse_args(base))
+    assert (plain.cache.num_blocks, plain.worker.num_gpu_blocks, plain.worker.gpu_memory_utilization) == (640, 0, 0.9)
+    given = config_from_args(parser.parse_args([*base, "--num-blocks", "96", "--gpu-memory-utilization", "0.5"]))
+    assert (given.cache.num_blocks, given.worker.num_gpu_blocks, given.worker.gpu_memory_utilization) == (96, 96, 0.5)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        config_from_args(parser.parse_args([*base, "--gpu-memory-utilization", "1.5"]))
 
 
 def test_worker_cache_leaves_the_planners_graph_reserve(tiny_path: Path) -> None:

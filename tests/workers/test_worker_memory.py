@@ -204,3 +204,44 @@ def test_free_device_bytes_counts_the_allocators_cached_blocks_as_free() -> None
     assert torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) >= 2 << 30
     assert abs(free_device_bytes(device, 0.9) - before) < 64 << 20
     torch.cuda.empty_cache()
+
+
+def test_a_gpu_pool_takes_the_count_asked_for_only_where_memory_holds_it() -> None:
+    """``--num-blocks`` on CUDA (``WorkerConfig.num_gpu_blocks``): the count as given where the memory left holds it,
+    all that fits where none is given, and a refusal naming both counts where it does not fit."""
+    from stride.workers.runner import gpu_pool_blocks
+
+    assert gpu_pool_blocks(0, 5000, 40 << 30) == 5000
+    assert gpu_pool_blocks(128, 5000, 40 << 30) == 128
+    assert gpu_pool_blocks(5000, 5000, 40 << 30) == 5000
+    with pytest.raises(MemoryError, match=r"5001 KV blocks.*40\.00 GiB.*holds 5000"):
+        gpu_pool_blocks(5001, 5000, 40 << 30)
+    with pytest.raises(MemoryError, match="no room for a KV block"):
+        gpu_pool_blocks(0, 0, 1 << 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_worker_launched_with_a_block_count_holds_that_many(tmp_path: Path) -> None:
+    """As ``stride serve --num-blocks N`` launches it on CUDA: a pool of N blocks (not the memory's), and a count the
+    memory cannot hold refused before serving."""
+    import torch
+    from worker_helpers import make_checkpoint
+
+    from stride.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from stride.workers.runner import ModelRunner, RunnerConfig
+
+    path = make_checkpoint("tiny-llama", tmp_path / "ck", torch.bfloat16, device="cuda")
+
+    def launch(blocks: int) -> ModelRunner:
+        worker = WorkerConfig(model=str(path), device="cuda", dtype="bfloat16", num_gpu_blocks=blocks,
+                              cuda_graphs=False)
+        return ModelRunner(RunnerConfig.from_launch(worker, CacheConfig(), SchedulerConfig(max_model_len=512)))
+
+    sized = launch(0)
+    assert sized.num_blocks > 1000  # from memory (the control: far more than asked for below)
+    fits = sized.num_blocks
+    del sized
+    assert launch(77).num_blocks == 77
+    with pytest.raises(MemoryError, match=f"{fits * 4} KV blocks"):
+        launch(fits * 4)
