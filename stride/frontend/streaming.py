@@ -3,6 +3,7 @@ metrics, and abort whatever is unfinished when the consumer stops early (client 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,6 +18,8 @@ from stride.frontend.metrics import FrontendMetrics
 from stride.frontend.protocol import ParsedRequest
 from stride.frontend.tools import ToolCallStream
 from stride.ipc.messages import RequestFailed, TextDelta
+
+log = logging.getLogger(__name__)
 
 
 def failure_error(msg: RequestFailed, retry_after_s: int) -> ApiError:
@@ -131,40 +134,46 @@ class Generation:
         failed = False
         it = self.deltas()
         try:
-            async for index, d in it:
+            try:
+                async for index, d in it:
+                    if resp is None:
+                        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache", **(headers or {})})
+                        await resp.prepare(request)
+                        if chat:
+                            events += [_event(R.chunk(True, self.req_id, self.created, model, i, text="", role=True,
+                                                      include_usage=inc)) for i in range(self.req.n)]
+                    if parsers is not None:
+                        events += self._tool_events(parsers[index], model, index, d, want_lp)
+                    elif d.text or d.token_ids or d.finish_reason is not None:
+                        events.append(_event(R.chunk(chat, self.req_id, self.created, model, index,
+                                                     text=d.text, logprobs=d.logprobs if want_lp else None,
+                                                     text_offset=offsets[index], finish=d.finish_reason,
+                                                     include_usage=inc)))
+                    offsets[index] += len(d.text)
+                    if events and not self.num_ready:
+                        await resp.write(b"".join(events))
+                        events.clear()
+            except ApiError as e:
                 if resp is None:
-                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache", **(headers or {})})
-                    await resp.prepare(request)
-                    if chat:
-                        events += [_event(R.chunk(True, self.req_id, self.created, model, i, text="", role=True,
-                                                  include_usage=inc)) for i in range(self.req.n)]
-                if parsers is not None:
-                    events += self._tool_events(parsers[index], model, index, d, want_lp)
-                elif d.text or d.token_ids or d.finish_reason is not None:
-                    events.append(_event(R.chunk(chat, self.req_id, self.created, model, index,
-                                                 text=d.text, logprobs=d.logprobs if want_lp else None,
-                                                 text_offset=offsets[index], finish=d.finish_reason,
-                                                 include_usage=inc)))
-                offsets[index] += len(d.text)
-                if events and not self.num_ready:
-                    await resp.write(b"".join(events))
-                    events.clear()
-        except ApiError as e:
+                    raise
+                failed = True
+                events.append(_event(e.body()))  # headers are gone: report in-band, as OpenAI-compatible servers do
+            finally:
+                await it.aclose()  # aborts whatever is unfinished, whichever way the loop ended
+            assert resp is not None
+            if inc and not failed:
+                events.append(_event(R.usage_chunk(chat, self.req_id, self.created, model, self.choices)))
+            events.append(b"data: [DONE]\n\n")
+            await resp.write(b"".join(events))
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client hung up and a write found the connection closing before the disconnect cancelled this
+            # handler (aiohttp's ClientConnectionResetError): its sequences are aborted above; nothing to answer.
             if resp is None:
                 raise
-            failed = True
-            events.append(_event(e.body()))  # headers are gone: report in-band, as OpenAI-compatible servers do
-        finally:
-            await it.aclose()
-        assert resp is not None
-        if inc and not failed:
-            events.append(_event(R.usage_chunk(chat, self.req_id, self.created, model, self.choices)))
-        events.append(b"data: [DONE]\n\n")
-        await resp.write(b"".join(events))
-        await resp.write_eof()
+            log.debug("%s: the client went away mid-stream", self.req_id)
         return resp
-
 
     def _tool_events(self, parser: ToolCallStream, model: str, index: int, d: TextDelta,
                      want_lp: bool) -> list[bytes]:
