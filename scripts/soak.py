@@ -2,13 +2,14 @@
 """A chaotic load against a running Stride server, then the checks that it came through whole. Not a test: it prints
 what it saw and exits 1 on a fault.
 
-The load: C clients, each sending requests drawn at random from the kinds users send (chat and completions,
-streamed or not, n of 1-3, logprobs, stop strings, seeds, a shared system prompt for prefix hits, JSON schemas, tool
-calls, prompts as token ids), and hanging up on about a third of them at a random point (before the first chunk,
-mid-stream, or a non-streamed request cancelled after a random delay). Every answer that arrives is checked: a 200's
-body has the shape the request asked for (n choices, each with one finish reason, no stop string in its text, usage
-that adds up, logprobs one per token, JSON that parses under its schema when the grammar finished, tool calls whose
-arguments parse); any other status is a fault unless it is a 429 (the waiting queue's bound).
+The load: C clients, each sending requests drawn at random from the kinds users send (chat and completions, streamed
+or not, n of 1-3, logprobs, stop strings, seeds, a shared system prompt for prefix hits, JSON schemas, tool calls,
+prompts as token ids; with ``--keys`` several tenants), and hanging up on about a third of them at a random point
+(before the first chunk, mid-stream, or a non-streamed request cancelled after a random delay). Every answer that
+arrives is checked: a 200's body has the shape the request asked for (n choices, each with one finish reason, no
+stop string in its text, usage that adds up, logprobs one per token, JSON that parses under its schema when the
+grammar finished, tool calls whose arguments parse); any other status is a fault unless it is a 429 (the waiting
+queue's bound).
 
 Before the load and after it the same greedy probes run one at a time: their answers must be equal, token for token
 (the second run takes its prompts from the prefix cache the load wrote around them). After the load the server
@@ -148,8 +149,10 @@ def check_body(path: str, req: dict[str, Any], data: dict[str, Any], kind: str) 
     return None
 
 
-async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, model: str, tally: Tally) -> None:
+async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, model: str, tally: Tally,
+              keys: list[str]) -> None:
     path, body, kind = make_request(rng, model)
+    auth = {"Authorization": f"Bearer {rng.choice(keys)}"} if keys else None
     stream = rng.random() < 0.5
     hang_up = rng.random() < 0.33
     if stream:
@@ -157,7 +160,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
         body["stream_options"] = {"include_usage": True}
     try:
         if hang_up and not stream:
-            task = asyncio.create_task(session.post(url + path, json=body))
+            task = asyncio.create_task(session.post(url + path, json=body, headers=auth))
             await asyncio.sleep(rng.uniform(0.0, 1.5))
             if not task.done():
                 task.cancel()
@@ -167,7 +170,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
             resp.release()
             tally.outcomes[f"{resp.status} (finished before its cancel)"] += 1
             return
-        async with session.post(url + path, json=body) as resp:
+        async with session.post(url + path, json=body, headers=auth) as resp:
             if resp.status == 429:
                 tally.outcomes["429"] += 1
                 return
@@ -271,7 +274,9 @@ async def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     tally = Tally()
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    keys = [k for k in args.keys.split(",") if k]
+    auth = {"Authorization": f"Bearer {keys[0]}"} if keys else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=auth) as session:
         async with session.get(args.url + "/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
         before = await probes(session, args.url, model) if args.probes else []
@@ -283,7 +288,7 @@ async def run(args: argparse.Namespace) -> int:
             crng = random.Random(rng.randrange(1 << 30) + k)
             while left > 0:
                 left -= 1
-                await one(session, args.url, crng, model, tally)
+                await one(session, args.url, crng, model, tally, keys)
         peak = {"stride:kv_blocks_live": 0.0}
 
         async def watch() -> None:
@@ -334,6 +339,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
+    parser.add_argument("--keys", default="", help="API keys, comma-separated: each request takes one at random "
+                        "(tenants' prefix caches apart); the probes and the server's pages the first")
     parser.add_argument("--no-probes", dest="probes", action="store_false",
                         help="skip the greedy probes (the simulated backend's tokens are random)")
     parser.add_argument("--tie", type=float, default=0.3,
