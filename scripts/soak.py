@@ -11,8 +11,9 @@ stop string in its text, usage that adds up, logprobs one per token, JSON that p
 grammar finished, tool calls whose arguments parse); any other status is a fault unless it is a 429 (the waiting
 queue's bound).
 
-Before the load and after it the same greedy probes run one at a time: their answers must be equal, token for token
-(the second run takes its prompts from the prefix cache the load wrote around them). After the load the server
+Before the load and after it the same greedy probes run one at a time: their answers must agree, token for token, up
+to a tie (the second run may take its prompt's first blocks from the load's, computed in other batches, so logits
+may differ by rounding; ``--tie``). After the load the server
 must come back to rest: nothing running or waiting, no live KV blocks, ``/health`` 200.
 
     .venv/bin/stride serve --num-blocks 96 --max-model-len 1024 &   # a small pool: preemption under load
