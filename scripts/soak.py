@@ -227,6 +227,61 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
         tally.fault(f"{kind}: {type(e).__name__}: {e}")
 
 
+async def one_library(lib: Any, rng: random.Random, tally: Tally) -> None:
+    """One request through the client library (:class:`stride.client.AsyncClient`): generated whole or streamed,
+    a third abandoned (the task cancelled after a random delay, or the stream closed after a few deltas)."""
+    from stride.client import StrideError
+
+    params: dict[str, Any] = {"max_tokens": rng.choice([1, 8, 32, 96]), "temperature": rng.choice([0.0, 1.0])}
+    if rng.random() < 0.3:
+        params["stop"] = rng.sample(STOPS, 1)
+    messages = [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]
+    hang_up = rng.random() < 0.33
+    try:
+        if rng.random() < 0.5:
+            task = asyncio.create_task(lib.generate(messages=messages, **params))
+            if hang_up:
+                await asyncio.sleep(rng.uniform(0.0, 1.0))
+                if not task.done():
+                    task.cancel()
+                    tally.outcomes["library cancelled"] += 1
+                    return
+            result = await task
+            text, tokens, finish, count = result.text, result.token_ids, result.finish_reason, result.num_output_tokens
+        else:
+            text, tokens, finish, count = "", [], None, 0
+            cut = rng.randint(1, 4) if hang_up else -1
+            stream = lib.stream(messages=messages, **params)
+            try:
+                async for i, delta in _enumerate(stream):
+                    text += delta.text
+                    tokens += delta.token_ids
+                    finish, count = delta.finish_reason or finish, delta.num_output_tokens
+                    if i + 1 == cut:
+                        tally.outcomes["library hung up mid-stream"] += 1
+                        return
+            finally:
+                await stream.aclose()
+        if finish not in ("stop", "length") or count != len(tokens) or count > params["max_tokens"]:
+            tally.fault(f"library: finish {finish!r}, {count} tokens counted, {len(tokens)} sent, {params}")
+        elif any(s in text for s in params.get("stop") or []):
+            tally.fault(f"library: stop string in {text!r}")
+        else:
+            tally.outcomes["library ok"] += 1
+    except StrideError as e:
+        if getattr(e, "status", 0) == 429:
+            tally.outcomes["library 429"] += 1
+        else:
+            tally.fault(f"library: {type(e).__name__}: {e}")
+
+
+async def _enumerate(it: Any) -> Any:
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1
+
+
 async def probes(session: aiohttp.ClientSession, url: str, model: str) -> list[list[dict[str, Any]]]:
     """Each probe's tokens with their top logprobs (greedy, one at a time)."""
     out = []
@@ -284,12 +339,21 @@ async def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         left = args.requests
 
+        lib = None
+        if args.client_address:
+            from stride.client import AsyncClient
+
+            lib = AsyncClient(args.client_address, keys[0] if keys else "", timeout=args.timeout)
+
         async def client(k: int) -> None:
             nonlocal left
             crng = random.Random(rng.randrange(1 << 30) + k)
             while left > 0:
                 left -= 1
-                await one(session, args.url, crng, model, tally, keys)
+                if lib is not None and crng.random() < 0.2:
+                    await one_library(lib, crng, tally)
+                else:
+                    await one(session, args.url, crng, model, tally, keys)
         peak = {"stride:kv_blocks_live": 0.0}
 
         async def watch() -> None:
@@ -300,6 +364,8 @@ async def run(args: argparse.Namespace) -> int:
         watcher = asyncio.create_task(watch())
         await asyncio.gather(*(client(k) for k in range(args.clients)))
         watcher.cancel()
+        if lib is not None:
+            await lib.close()
         took = time.perf_counter() - start
         rest: dict[str, float] = {}
         deadline = time.perf_counter() + 15
@@ -342,6 +408,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
     parser.add_argument("--keys", default="", help="API keys, comma-separated: each request takes one at random "
                         "(tenants' prefix caches apart); the probes and the server's pages the first")
+    parser.add_argument("--client-address", default="",
+                        help="the server's client-library address (its start line prints it): a fifth of the requests "
+                        "then go through stride.client's AsyncClient")
     parser.add_argument("--no-probes", dest="probes", action="store_false",
                         help="skip the greedy probes (the simulated backend's tokens are random)")
     parser.add_argument("--tie", type=float, default=0.3,
