@@ -1,0 +1,62 @@
+"""``scripts/soak.py`` against the simulated backend: every request kind over HTTP and the client library, two
+tenants, a third of the requests abandoned at random points, a pool small enough to preempt all the time. The
+server must answer every request in its shape, log no error, and come back to rest with no live blocks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+from e2e_helpers import StrideServer
+
+SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+
+
+@pytest.mark.slow
+def test_a_chaotic_load_leaves_the_server_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k1 alpha\nk2 beta\n")
+    soak = runpy.run_path(str(SOAK), run_name="soak")
+    with StrideServer("--backend", "sim", "--num-blocks", "120", "--max-model-len", "2048", "--max-num-seqs", "48",
+                      "--api-keys", str(keys)) as srv:
+        found = re.search(r"client library: (ipc://\S+)", "\n".join(srv.log))
+        assert found, srv.tail()
+        args = argparse.Namespace(url=srv.url, clients=48, requests=600, seed=0, timeout=120.0, keys="k1,k2",
+                                  client_address=found[1], probes=False, tie=0.3)
+        code = asyncio.run(soak["run"](args))
+        report = capsys.readouterr().out
+        assert code == 0, report
+        # The load was what it says: requests abandoned both ways, the library's among them, and preemption.
+        for outcome in ("hung up mid-stream", "cancelled", "library ok", "schema stream ok", "tools ok"):
+            assert re.search(rf"{outcome}\s+[1-9]", report), (outcome, report)
+        preempted = re.search(r"preemptions (\d+)", report)
+        assert preempted and int(preempted[1]) > 0, report
+        assert not [line for line in srv.log if " ERROR " in line or "Traceback" in line], srv.tail(80)
+    assert srv.leftovers() == [], srv.tail()
+
+
+def test_the_soak_finds_a_malformed_answer() -> None:
+    """The negative control of its checks: bodies a broken server could send are named as faults."""
+    soak = runpy.run_path(str(SOAK), run_name="soak")
+    check = soak["check_body"]
+    req = {"n": 2, "max_tokens": 4, "stop": ["."]}
+
+    def choice(i: int, text: str, finish: str = "length") -> dict[str, object]:
+        return {"index": i, "finish_reason": finish, "message": {"content": text}}
+    usage = {"prompt_tokens": 5, "completion_tokens": 8}
+    assert check("/v1/chat/completions", req, {"choices": [choice(0, "a b"), choice(1, "c d")], "usage": usage},
+                 "chat") is None  # the well-formed answer passes
+    for body in ({"choices": [choice(0, "a b")], "usage": usage},  # one choice for n=2
+                 {"choices": [choice(0, "a. b"), choice(1, "c")], "usage": usage},  # the stop string in the text
+                 {"choices": [choice(0, "a"), choice(1, "c", "eos")], "usage": usage},  # an unknown finish reason
+                 {"choices": [choice(0, "a"), choice(1, "c")], "usage": dict(usage, completion_tokens=9)}):
+        assert check("/v1/chat/completions", req, body, "chat") is not None, body
+    schema_req = {"max_tokens": 64}
+    assert check("/v1/chat/completions", schema_req, {"choices": [choice(0, '{"age": 3', "stop")], "usage": usage},
+                 "schema") is not None
+    assert check("/v1/chat/completions", schema_req, {"choices": [choice(0, '{"name": "x", "age": 3}', "stop")],
+                                                      "usage": usage}, "schema") is None
