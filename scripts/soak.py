@@ -74,11 +74,20 @@ def make_request(rng: random.Random, model: str) -> tuple[str, dict[str, Any], s
         body["seed"] = rng.randrange(1 << 31)
     if rng.random() < 0.25:
         body["stop"] = rng.sample(STOPS, rng.randint(1, 2))
+    if rng.random() < 0.3:  # the other sampling fields, a few at a time
+        extra = {"top_p": rng.choice([0.5, 0.9]), "top_k": rng.choice([-1, 1, 40]), "min_p": 0.05,
+                 "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+                 "logit_bias": {str(rng.randrange(100, 2000)): rng.choice([-100, 5])},
+                 "stop_token_ids": [rng.randrange(100, 2000)], "ignore_eos": True,
+                 "service_class": rng.choice(["interactive", "background"])}
+        body.update(dict(rng.sample(sorted(extra.items()), rng.randint(1, 3))))
     if roll < 0.12:  # completions, prompt as text or token ids
         prompt: Any = f"Once upon a time, {topic}"
         if rng.random() < 0.3:
             prompt = [rng.randrange(100, 20000) for _ in range(rng.randint(1, 64))]
         body.update(prompt=prompt, n=rng.choice([1, 1, 2]))
+        if rng.random() < 0.2:
+            body.update(best_of=body["n"])  # the one best_of accepted (echo and other best_of are 400s)
         if rng.random() < 0.4:
             body["logprobs"] = rng.choice([0, 1, 3])
         return "/v1/completions", body, "completions"
