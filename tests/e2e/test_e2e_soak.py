@@ -1,6 +1,7 @@
 """``scripts/soak.py`` against the simulated backend: every request kind over HTTP and the client library, two
 tenants, a third of the requests abandoned at random points, a pool small enough to preempt all the time. The
-server must answer every request in its shape, log no error, and come back to rest with no live blocks."""
+server must answer every request in its shape, log no error, and come back to rest with no live blocks; and the
+trace it recorded must replay decision for decision."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import asyncio
 import re
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ def test_a_chaotic_load_leaves_the_server_whole(tmp_path: Path, capsys: pytest.C
     keys.write_text("k1 alpha\nk2 beta\n")
     soak = runpy.run_path(str(SOAK), run_name="soak")
     with StrideServer("--backend", "sim", "--num-blocks", "120", "--max-model-len", "2048", "--max-num-seqs", "48",
-                      "--api-keys", str(keys)) as srv:
+                      "--api-keys", str(keys), "--trace", str(tmp_path / "trace.jsonl")) as srv:
         found = re.search(r"client library: (ipc://\S+)", "\n".join(srv.log))
         assert found, srv.tail()
         args = argparse.Namespace(url=srv.url, clients=48, requests=600, seed=0, timeout=120.0, keys="k1,k2",
@@ -37,6 +40,9 @@ def test_a_chaotic_load_leaves_the_server_whole(tmp_path: Path, capsys: pytest.C
         assert preempted and int(preempted[1]) > 0, report
         assert not [line for line in srv.log if " ERROR " in line or "Traceback" in line], srv.tail(80)
     assert srv.leftovers() == [], srv.tail()
+    replay = subprocess.run([sys.executable, "-m", "stride", "replay", str(tmp_path / "trace.jsonl")],
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 0 and "every decision matched" in replay.stdout, replay.stdout + replay.stderr
 
 
 def test_the_soak_finds_a_malformed_answer() -> None:
