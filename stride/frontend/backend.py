@@ -107,10 +107,11 @@ class Backend:
     def num_in_flight(self) -> int:
         return len({id(s) for s, _ in self._streams.values()})
 
-    def mark_unhealthy(self, reason: str) -> None:
-        """Turn ``/health`` to 503 and refuse new requests (a worker died; the launcher is shutting down)."""
+    def mark_unhealthy(self, reason: str, level: int = logging.ERROR) -> None:
+        """Turn ``/health`` to 503 and refuse new requests (a worker died: an error; the launcher is shutting down:
+        ``level`` INFO, an orderly stop is no error)."""
         if self.healthy:
-            log.error("frontend marked unhealthy: %s", reason)
+            log.log(level, "frontend marked unhealthy: %s", reason)
         self.healthy = False
         self.unhealthy_reason = reason
 
@@ -178,7 +179,7 @@ class Backend:
     def shut_down(self, reason: str) -> None:
         """Refuse new requests and end every one in flight with an error, so a stream closes with an error
         event rather than being cut off when the server stops. Idempotent."""
-        self.mark_unhealthy(f"shutting down: {reason}")
+        self.mark_unhealthy(f"shutting down: {reason}", logging.INFO)
         self.fail_all(503, f"the server is shutting down: {reason}", SHUTTING_DOWN)
 
     def fail_all(self, status: int, message: str, code: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 
 from stride.frontend.backend import Backend, RequestStream
@@ -112,3 +113,27 @@ def test_async_client_reader_yields_during_a_flood() -> None:
     backlog, read = asyncio.run(_client_first_wakeup_backlog())
     assert read == FLOOD
     assert backlog <= RECEIVE_BURST < FLOOD
+
+
+def test_an_orderly_stop_is_no_error_and_a_dead_worker_is(caplog: pytest.LogCaptureFixture) -> None:
+    """``shut_down`` (SIGTERM, the launcher stopping) turns ``/health`` to 503 with an INFO line; a dead worker's
+    broadcast does it with an ERROR (every stop logged ``frontend marked unhealthy`` as an error)."""
+    import logging
+
+    from stride.frontend.backend import WORKER_DEAD
+    from stride.ipc.messages import RequestFailed
+
+    ipc = make_ipc_config()
+    try:
+        caplog.set_level(logging.INFO, "stride.frontend.backend")
+        stopping = Backend(ipc, num_tokenizers=1)
+        stopping.shut_down("launcher")
+        assert not stopping.healthy and "shutting down: launcher" in stopping.unhealthy_reason
+        dead = Backend(ipc, num_tokenizers=1)
+        dead._on_failed(RequestFailed(req_id="", status=503, message="worker 0 died", code=WORKER_DEAD))
+        assert not dead.healthy
+        levels = {r.getMessage(): r.levelname for r in caplog.records if "marked unhealthy" in r.getMessage()}
+        assert levels == {"frontend marked unhealthy: shutting down: launcher": "INFO",
+                          "frontend marked unhealthy: worker 0 died": "ERROR"}, levels
+    finally:
+        remove_run_dir(ipc)
