@@ -132,7 +132,7 @@ def check_body(path: str, req: dict[str, Any], data: dict[str, Any], kind: str) 
                 return f"{kind}: {count} tokens for max_tokens {req['max_tokens']}"
         if lp and kind == "completions":
             total += len(lp.get("tokens") or [])
-        cut = bool(req.get("stop"))  # a stop string may end a JSON value or a tool call anywhere
+        cut = bool(req.get("stop") or req.get("stop_token_ids"))  # a stop may end a JSON value or a tool call
         if kind == "schema" and c["finish_reason"] == "stop" and not cut:
             try:
                 value = json.loads(text)
