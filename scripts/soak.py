@@ -363,12 +363,13 @@ async def run(args: argparse.Namespace) -> int:
                     await one_library(lib, crng, tally)
                 else:
                     await one(session, args.url, crng, model, tally, keys)
-        peak = {"stride:kv_blocks_live": 0.0}
+        peak_live = 0.0
 
         async def watch() -> None:
+            nonlocal peak_live
             while True:
                 m = await metrics(session, args.url)
-                peak["stride:kv_blocks_live"] = max(peak["stride:kv_blocks_live"], m.get("stride:kv_blocks_live", 0))
+                peak_live = max(peak_live, m.get("stride:kv_blocks_live", 0.0))
                 await asyncio.sleep(0.5)
         watcher = asyncio.create_task(watch())
         await asyncio.gather(*(client(k) for k in range(args.clients)))
@@ -399,7 +400,7 @@ async def run(args: argparse.Namespace) -> int:
     print(f"{args.requests} requests from {args.clients} clients in {took:.1f} s")
     for what, count in sorted(tally.outcomes.items()):
         print(f"  {what:40s} {count}")
-    print(f"peak live blocks {peak['stride:kv_blocks_live']:.0f}; "
+    print(f"peak live blocks {peak_live:.0f}; "
           f"preemptions {rest.get('stride:num_preemptions_total', 0):.0f}; "
           f"at rest: live {rest.get('stride:kv_blocks_live')}, cached {rest.get('stride:kv_blocks_cached')}, "
           f"free {rest.get('stride:kv_blocks_free')}")
