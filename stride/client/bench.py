@@ -195,8 +195,11 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     return str(data["data"][0]["id"])
 
 
-async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[RequestResult]]:
-    """Run the load described by ``args``; returns the summary and every request's result."""
+async def run_benchmark(args: argparse.Namespace, calibration: tuple[float, float] | None = None,
+                        ) -> tuple[dict[str, Any], list[RequestResult]]:
+    """Run the load described by ``args``; returns the summary and every request's result. With ``--input-unit
+    tokens``, ``calibration`` (tokens a word, template tokens) is an earlier run's against the same server, in place
+    of this run's probes."""
     from tqdm import tqdm
 
     base_url = args.base_url.rstrip("/")
@@ -210,9 +213,12 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=True)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
         model = args.model or await _first_model(session, base_url)
-        input_words, prefix_words, calibration = args.input_len, args.shared_prefix_len, None
-        if args.input_unit == "tokens":
+        input_words, prefix_words = args.input_len, args.shared_prefix_len
+        if args.input_unit != "tokens":
+            calibration = None
+        elif calibration is None:
             calibration = await calibrate(session, url, args, model)
+        if calibration is not None:
             per_word, template = calibration
             input_words = max(1, round((args.input_len - template) / per_word))
             prefix_words = round(args.shared_prefix_len / per_word)
@@ -499,12 +505,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, rates: list[float]) -> int:
-    """The load once per rate, a summary after each, then the table (and every summary in ``--out-json``)."""
-    rows = []
+    """The load once per rate, a summary after each, then the table (and every summary in ``--out-json``). Prompts
+    sized in tokens are sized once, by the first rate's probes."""
+    rows: list[dict[str, Any]] = []
+    calibration = None
     for rate in rates:
         run_args = argparse.Namespace(**{**vars(args), "request_rate": rate})
         try:
-            summary, _ = asyncio.run(run_benchmark(run_args))
+            summary, _ = asyncio.run(run_benchmark(run_args, calibration))
         except aiohttp.ClientError as e:
             print(f"stride bench: cannot reach {args.base_url}: {e}", file=sys.stderr)
             return 1
@@ -513,6 +521,8 @@ def _sweep(args: argparse.Namespace, rates: list[float]) -> int:
             return 1
         print(f"--- request rate {rate} req/s\n{format_summary(summary)}\n", flush=True)
         rows.append(summary)
+        if "tokens_per_word" in summary:
+            calibration = summary["tokens_per_word"], summary["template_tokens"]
     print(format_sweep(rows))
     if args.out_json:
         with open(args.out_json, "w") as f:

@@ -282,6 +282,28 @@ def test_rate_sweep_runs_each_rate_and_tabulates(tmp_path: Path, capsys: pytest.
     assert bench.main(_args("--sweep-rates", "2,-1")) == 2
 
 
+def test_a_sweep_in_tokens_sizes_its_prompts_once(tmp_path: Path) -> None:
+    """``--sweep-rates`` with ``--input-unit tokens``: the first rate's two probes size every rate's prompts (one
+    pair of probes in all, each run's prompts as many tokens); a single run probes for itself (the control)."""
+    out = tmp_path / "sweep.json"
+    with FakeServer() as server:
+        code = bench.main(_args("--base-url", server.url, "--endpoint", "chat", "--num-requests", "2",
+                                "--output-len", "2", "--input-unit", "tokens", "--input-len", "101",
+                                "--sweep-rates", "50,inf,20", "--out-json", str(out)))
+    assert code == 0
+    probes = [b for b in server.bodies if b["max_tokens"] == 1]
+    assert len(probes) == 2 and len(server.bodies) == 2 + 3 * 2
+    rows = json.loads(out.read_text())["sweep"]
+    sizes = [(r["tokens_per_word"], r["template_tokens"], r["total_input_tokens"]) for r in rows]
+    assert sizes == [(2.0, 7.0, 202)] * 3
+    with FakeServer() as server:
+        args = _args("--base-url", server.url, "--endpoint", "chat", "--num-requests", "2", "--output-len", "2",
+                     "--input-unit", "tokens", "--input-len", "101")
+        asyncio.run(bench.run_benchmark(args))
+        asyncio.run(bench.run_benchmark(args))
+    assert sum(b["max_tokens"] == 1 for b in server.bodies) == 4
+
+
 def test_json_schema_option_sends_the_response_format(tmp_path: Path) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     (tmp_path / "s.json").write_text(json.dumps(schema))
