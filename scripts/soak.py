@@ -177,8 +177,11 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
                 tally.outcomes["cancelled"] += 1
                 return
             resp = task.result()
+            if resp.status not in (200, 429):
+                tally.fault(f"{kind}: status {resp.status}: {(await resp.text())[:300]}")
+            else:
+                tally.outcomes[f"{resp.status} (finished before its cancel)"] += 1
             resp.release()
-            tally.outcomes[f"{resp.status} (finished before its cancel)"] += 1
             return
         async with session.post(url + path, json=body, headers=auth) as resp:
             if resp.status == 429:

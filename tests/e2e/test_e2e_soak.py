@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import re
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from e2e_helpers import StrideServer
 
@@ -66,3 +68,31 @@ def test_the_soak_finds_a_malformed_answer() -> None:
                  "schema") is not None
     assert check("/v1/chat/completions", schema_req, {"choices": [choice(0, '{"name": "x", "age": 3}', "stop")],
                                                       "usage": usage}, "schema") is None
+
+
+def test_the_soak_faults_an_error_status_on_every_path() -> None:
+    """A server answering every request with a 500: whichever way a request goes (streamed or not, abandoned at a
+    random point or not), it is a fault or a request cancelled before its answer came, never an outcome that
+    passes. The path that would hide it: a request to be abandoned whose answer came before its cancel."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    soak = runpy.run_path(str(SOAK), run_name="soak")
+
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    async def main() -> tuple[object, object]:
+        app = web.Application()
+        app.router.add_post("/v1/{tail:.*}", fail)
+        tally = soak["Tally"]()
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            url = str(server.make_url("")).rstrip("/")
+            await asyncio.gather(*(soak["one"](session, url, random.Random(seed), "m", tally, [])
+                                   for seed in range(60)))
+        return tally.outcomes, tally.faults
+
+    outcomes, faults = asyncio.run(main())
+    assert set(outcomes) <= {"fault", "cancelled"}, outcomes  # type: ignore[arg-type]
+    assert len(faults) > 40 and all("status 500" in f for f in faults), faults  # type: ignore[arg-type]
