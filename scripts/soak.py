@@ -159,6 +159,48 @@ def check_body(path: str, req: dict[str, Any], data: dict[str, Any], kind: str) 
     return None
 
 
+class Whole:
+    """A streamed answer put back together as the non-streamed body it stands for (each choice's text or message
+    with its tool calls, logprobs, finish reason; the usage chunk), for :func:`check_body`."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] = {}
+
+    def add(self, event: dict[str, Any]) -> None:
+        self.usage = event.get("usage") or self.usage
+        for c in event.get("choices") or []:
+            whole = self.choices.setdefault(c["index"], {"index": c["index"], "text": "", "content": "",
+                                                         "calls": {}, "logprobs": None, "finish_reason": None})
+            whole["finish_reason"] = c.get("finish_reason") or whole["finish_reason"]
+            delta = c.get("delta") or {}
+            whole["text"] += c.get("text") or ""
+            whole["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                have = whole["calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                fn = call.get("function") or {}
+                have["name"] += fn.get("name") or ""
+                have["arguments"] += fn.get("arguments") or ""
+            lp = c.get("logprobs")
+            if lp:
+                into = whole["logprobs"] = whole["logprobs"] or {"content": [], "tokens": []}
+                into["content"] += lp.get("content") or []
+                into["tokens"] += lp.get("tokens") or []
+
+    def body(self, path: str) -> dict[str, Any]:
+        chat = path.endswith("/chat/completions")
+        choices = []
+        for c in self.choices.values():
+            out: dict[str, Any] = {"index": c["index"], "finish_reason": c["finish_reason"], "logprobs": c["logprobs"]}
+            if chat:
+                calls = [{"function": fn} for _, fn in sorted(c["calls"].items())]
+                out["message"] = {"content": c["content"], **({"tool_calls": calls} if calls else {})}
+            else:
+                out["text"] = c["text"]
+            choices.append(out)
+        return {"choices": choices, "usage": self.usage}
+
+
 async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, model: str, tally: Tally,
               keys: list[str]) -> None:
     path, body, kind = make_request(rng, model)
@@ -200,6 +242,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
             cut = rng.randint(0, 6) if hang_up else -1
             finished: Counter[int] = Counter()
             texts: dict[int, str] = {}
+            whole = Whole()
             done = False
             chunks = 0
             async for raw in resp.content:
@@ -215,6 +258,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
                 if "error" in event:
                     tally.fault(f"{kind} stream: error event {event['error']}")
                     return
+                whole.add(event)
                 for c in event.get("choices") or []:
                     delta = c.get("delta") or {}
                     texts[c["index"]] = texts.get(c["index"], "") + (c.get("text") or delta.get("content") or "")
@@ -234,6 +278,10 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, mode
                     if s in text:
                         tally.fault(f"{kind} stream: stop string {s!r} in choice {i}: {text!r}")
                         return
+            problem = check_body(path, body, whole.body(path), kind)
+            if problem:
+                tally.fault(f"stream: {problem}")
+                return
             tally.outcomes[f"{kind} stream ok"] += 1
     except (TimeoutError, aiohttp.ClientError) as e:
         tally.fault(f"{kind}: {type(e).__name__}: {e}")

@@ -70,6 +70,42 @@ def test_the_soak_finds_a_malformed_answer() -> None:
                                                       "usage": usage}, "schema") is None
 
 
+def test_a_stream_is_checked_as_its_whole_answer() -> None:
+    """A streamed answer is put back together and checked as a non-streamed one: a tool call split over deltas,
+    logprobs counted against the usage chunk; a broken call's arguments and a miscount are faults."""
+    soak = runpy.run_path(str(SOAK), run_name="soak")
+
+    def whole(events: list[dict[str, object]]) -> dict[str, object]:
+        w = soak["Whole"]()
+        for event in events:
+            w.add(event)
+        return w.body("/v1/chat/completions")  # type: ignore[no-any-return]
+
+    def call(args: str, name: str = "") -> dict[str, object]:
+        delta = {"tool_calls": [{"index": 0, "function": {"name": name, "arguments": args}}]}
+        return {"choices": [{"index": 0, "delta": delta}]}
+    req = {"max_tokens": 96, "tools": [], "tool_choice": "auto"}
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}}
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    good = [call('{"ci', "get_weather"), call('ty": "Oslo"}'), end, usage]
+    assert soak["check_body"]("/v1/chat/completions", req, whole(good), "tools") is None
+    assert whole(good)["choices"][0]["message"]["tool_calls"] == [  # type: ignore[index]
+        {"function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+    bad = [call('{"ci', "get_weather"), call('ty": "Oslo", "x": 1}'), end, usage]
+    assert soak["check_body"]("/v1/chat/completions", req, whole(bad), "tools") is not None
+
+    def token(text: str) -> dict[str, object]:
+        return {"index": 0, "delta": {"content": text},
+                "logprobs": {"content": [{"token": text, "logprob": -1.0, "top_logprobs": []}]}}
+    chat = {"max_tokens": 8, "logprobs": True}
+    stop = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    counted = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+    stream = [{"choices": [token("a")]}, {"choices": [token(" b")]}, stop, counted]
+    assert soak["check_body"]("/v1/chat/completions", chat, whole(stream), "chat") is None
+    miscounted = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
+    assert soak["check_body"]("/v1/chat/completions", chat, whole(stream[:3] + [miscounted]), "chat") is not None
+
+
 def test_the_soak_faults_an_error_status_on_every_path() -> None:
     """A server answering every request with a 500: whichever way a request goes (streamed or not, abandoned at a
     random point or not), it is a fault or a request cancelled before its answer came, never an outcome that
