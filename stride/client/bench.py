@@ -50,6 +50,7 @@ class RequestResult:
     """One request as the client saw it; times in seconds from the benchmark start."""
 
     ok: bool = False
+    textless: bool = False  # finished, its tokens counted by the server, none of them text: no token times
     error: str = ""
     prompt_words: int = 0
     prompt_tokens: int = 0  # the server's count (usage.prompt_tokens), 0 where it sent none
@@ -154,7 +155,7 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float,
                        result: RequestResult) -> None:
     result.start = time.perf_counter() - t0
-    chunks, usage_tokens, last = 0, 0, 0.0
+    chunks, usage_tokens, last, done = 0, 0, 0.0, False
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -166,6 +167,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
@@ -181,7 +183,10 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 last, chunks = now, chunks + 1
         result.latency = time.perf_counter() - t0 - result.start
         result.output_tokens = usage_tokens or chunks
-        result.ok = chunks > 0
+        # A stream may finish with tokens but no text (special tokens, or bytes a random checkpoint never
+        # completes into a character): the request completed, but the client saw no token arrive.
+        result.textless = chunks == 0 and done and usage_tokens > 0
+        result.ok = chunks > 0 or result.textless
         if not result.ok:
             result.error = "no text in the stream"
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -345,10 +350,12 @@ def _tpots(ok: list[RequestResult]) -> list[float]:
 
 def summarize(results: list[RequestResult], duration: float, model: str,
               args: argparse.Namespace) -> dict[str, Any]:
-    """Throughput and latency percentiles (ms) over the requests that succeeded."""
+    """Throughput and latency percentiles (ms) over the requests that succeeded (token times over those that
+    streamed text)."""
     ok = [r for r in results if r.ok]
+    timed = [r for r in ok if not r.textless]
     output_tokens = sum(r.output_tokens for r in ok)
-    good = [r for r in ok if r.ttft * 1000 <= args.goodput_ttft_ms and (
+    good = [r for r in timed if r.ttft * 1000 <= args.goodput_ttft_ms and (
         r.output_tokens <= 1 or 1000 * (r.latency - r.ttft) / (r.output_tokens - 1) <= args.goodput_tpot_ms)]
     slo = {"ttft_ms": _finite_or_none(args.goodput_ttft_ms), "tpot_ms": _finite_or_none(args.goodput_tpot_ms)}
     return {
@@ -356,14 +363,15 @@ def summarize(results: list[RequestResult], duration: float, model: str,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
         "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "textless": len(ok) - len(timed),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": output_tokens / duration if duration > 0 else 0.0,
         "total_output_tokens": output_tokens, "total_input_words": sum(r.prompt_words for r in ok),
         "total_input_tokens": (sum(r.prompt_tokens for r in ok) if ok and all(r.prompt_tokens for r in ok)
                                else None),
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(_tpots(ok)),
-        "itl_ms": _stats([x for r in ok for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in ok]),
+        "ttft_ms": _stats([r.ttft for r in timed]), "tpot_ms": _stats(_tpots(timed)),
+        "itl_ms": _stats([x for r in timed for x in r.itl]), "e2e_latency_ms": _stats([r.latency for r in ok]),
         "shared_prefix_len": args.shared_prefix_len, "num_prefixes": args.num_prefixes,
         "goodput": {"slo": slo, "good_requests": len(good),
                     "request_goodput": len(good) / duration if duration > 0 else 0.0},
@@ -378,7 +386,9 @@ _METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_l
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    lines = [f"{s['completed']} requests completed, {s['failed']} failed, in {s['duration_s']:.2f} s",
+    textless = (f" ({s['textless']} of them streamed no text: in the throughput and E2E, not the token times)"
+                if s.get("textless") else "")
+    lines = [f"{s['completed']} requests completed{textless}, {s['failed']} failed, in {s['duration_s']:.2f} s",
              f"request throughput   {s['request_throughput']:.2f} req/s",
              f"output throughput    {s['output_throughput']:.1f} tok/s",
              *_input_line(s),

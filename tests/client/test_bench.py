@@ -22,8 +22,9 @@ class FakeServer:
     (503 after that) and shuts itself down after ``lifetime_s`` even if nobody stops it."""
 
     def __init__(self, usage: bool = True, fail_every: int = 0, max_requests: int = 64,
-                 lifetime_s: float = 60.0, metrics: bool = False) -> None:
+                 lifetime_s: float = 60.0, metrics: bool = False, textless_every: int = 0) -> None:
         self.usage, self.fail_every, self.metrics = usage, fail_every, metrics
+        self.textless_every = textless_every  # every k-th request's chunks carry no text (special tokens)
         self.max_requests, self.lifetime_s = max_requests, lifetime_s
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = self.max_in_flight = 0
@@ -48,9 +49,11 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = "messages" in body
+        textless = self.textless_every and len(self.bodies) % self.textless_every == 0
         for i in range(body["max_tokens"]):
             await asyncio.sleep(0.002)
-            choice = {"index": 0, "delta": {"content": f" t{i}"}} if chat else {"index": 0, "text": f" t{i}"}
+            text = "" if textless else f" t{i}"
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if self.usage and body.get("stream_options", {}).get("include_usage"):
             # a prompt's tokens: two a word (as a byte-level vocabulary might count them), and a chat template's 7
@@ -173,6 +176,26 @@ def test_input_unit_tokens_sizes_prompts_from_the_servers_count(capsys: pytest.C
         rc = bench.main(_args("--base-url", server.url, "--num-requests", "2", "--input-unit", "tokens"))
     assert rc == 1 and "gave no usage.prompt_tokens" in capsys.readouterr().err
     assert len(server.bodies) == 1  # the first probe, and no load after it
+
+
+def test_a_stream_of_tokens_without_text_completes_without_token_times(capsys: pytest.CaptureFixture[str]) -> None:
+    """A request whose stream finished with the server counting its tokens but no text among them (a random
+    checkpoint's special tokens) completed: its tokens count in the throughput, and it gives no TTFT or TPOT. The
+    same stream without usage is a failure (the control: nothing says it generated anything)."""
+    with FakeServer(textless_every=3) as server:
+        args = _args("--base-url", server.url, "--num-requests", "6", "--output-len", "4", "--max-concurrency", "1")
+        summary, results = asyncio.run(bench.run_benchmark(args))
+    assert (summary["completed"], summary["failed"], summary["textless"]) == (6, 0, 2)
+    assert summary["total_output_tokens"] == 24
+    assert [r.textless for r in results] == [False, False, True] * 2
+    assert all(r.ttft > 0 for r in results if not r.textless)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_latency_ms"]["p50"] > 0
+    assert "(2 of them streamed no text" in bench.format_summary(summary)
+    with FakeServer(textless_every=3, usage=False) as server:
+        args = _args("--base-url", server.url, "--num-requests", "6", "--output-len", "4", "--max-concurrency", "1")
+        summary, _ = asyncio.run(bench.run_benchmark(args))
+    assert (summary["completed"], summary["failed"], summary["textless"]) == (4, 2, 0)
+    assert summary["errors"] == ["no text in the stream"]
 
 
 def test_chat_poisson_and_counting_chunks_without_usage() -> None:
