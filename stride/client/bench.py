@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput-tpot-ms", type=float, default=math.inf,
                         help="TPOT target of a good request (ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/Stride extension)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy; a random checkpoint's "
+                             "greedy output can settle on tokens without text)")
     parser.add_argument("--json-schema", default="", metavar="PATH|object",
                         help="hold every output to the JSON schema in PATH (response_format json_schema), or to any "
                              "JSON object: structured outputs' cost against the same load without")
@@ -123,7 +126,8 @@ def make_prompts(num: int, input_len: int, output_len: int, range_ratio: float, 
 
 
 def _request_body(args: argparse.Namespace, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
+                            "temperature": args.temperature,
                             "stream_options": {"include_usage": True}}
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -480,6 +484,9 @@ def main(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1 or not args.request_rate > 0:
         print("stride bench: --num-requests, --input-len, --output-len and --request-rate must be positive",
               file=sys.stderr)
+        return 2
+    if not 0 <= args.temperature < math.inf:
+        print("stride bench: --temperature must be a number >= 0", file=sys.stderr)
         return 2
     if args.shared_prefix_len < 0 or args.num_prefixes < 1:
         print("stride bench: --shared-prefix-len must be >= 0 and --num-prefixes >= 1", file=sys.stderr)

@@ -337,3 +337,14 @@ def test_json_schema_option_sends_the_response_format(tmp_path: Path) -> None:
             asyncio.run(bench.run_benchmark(_args("--base-url", server.url, "--num-requests", "2", "--output-len",
                                                   "2", "--json-schema", spec)))
         assert [b.get("response_format") for b in server.bodies] == [want, want]
+
+
+def test_temperature_option_reaches_every_request() -> None:
+    """Greedy by default; ``--temperature`` sets every request's (the probes' too); a negative one is refused."""
+    for argv, want in (((), 0.0), (("--temperature", "0.8"), 0.8)):
+        with FakeServer() as server:
+            assert bench.main(_args("--base-url", server.url, "--num-requests", "2", "--output-len", "2",
+                                    "--input-unit", "tokens", *argv)) == 0
+        assert len(server.bodies) == 4 and all(b["temperature"] == want for b in server.bodies)
+    assert bench.main(_args("--temperature", "-1")) == 2
+    assert bench.main(_args("--temperature", "nan")) == 2
