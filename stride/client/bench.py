@@ -445,10 +445,11 @@ def write_plot(path: str, results: list[RequestResult], summary: dict[str, Any])
     """Four panels: TTFT, TPOT, ITL histograms and latency against request start time."""
     plt = _pyplot()
     ok = [r for r in results if r.ok]
+    timed = [r for r in ok if not r.textless]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = (("TTFT (ms)", [r.ttft * 1e3 for r in ok]),
-              ("TPOT (ms)", [x * 1e3 for x in _tpots(ok)]),
-              ("ITL (ms)", [x * 1e3 for r in ok for x in r.itl]))
+    panels = (("TTFT (ms)", [r.ttft * 1e3 for r in timed]),
+              ("TPOT (ms)", [x * 1e3 for x in _tpots(timed)]),
+              ("ITL (ms)", [x * 1e3 for r in timed for x in r.itl]))
     for ax, (title, values) in zip(axes.flat, panels, strict=False):
         ax.hist(values, bins=40)
         ax.set_title(title)
