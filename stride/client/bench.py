@@ -50,7 +50,7 @@ class RequestResult:
     """One request as the client saw it; times in seconds from the benchmark start."""
 
     ok: bool = False
-    textless: bool = False  # finished, its tokens counted by the server, none of them text: no token times
+    textless: bool = False  # finished, its tokens counted by the server, no chunk of output seen: no token times
     error: str = ""
     prompt_words: int = 0
     prompt_tokens: int = 0  # the server's count (usage.prompt_tokens), 0 where it sent none
@@ -94,8 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TPOT target of a good request (ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/Stride extension)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature of every request (default 0: greedy; a random checkpoint's "
-                             "greedy output can settle on tokens without text)")
+                        help="sampling temperature of every request (default 0: greedy)")
     parser.add_argument("--json-schema", default="", metavar="PATH|object",
                         help="hold every output to the JSON schema in PATH (response_format json_schema), or to any "
                              "JSON object: structured outputs' cost against the same load without")
@@ -148,12 +147,18 @@ def _response_format(spec: str) -> dict[str, Any]:
         return {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.load(f)}}
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
+def _brings_output(chunk: dict[str, Any]) -> bool:
+    """Whether a stream chunk carries generated output: text, or a delta with none that is neither the chat
+    stream's opening role chunk nor a closing one (a server sends such a chunk for a token that decodes to no text
+    yet: a special token, part of a character, or an id past a random checkpoint's byte tokenizer)."""
     choices = chunk.get("choices") or []
     if not choices:
-        return ""
+        return False
     choice = choices[0]
-    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    delta = choice.get("delta") or {}
+    if choice.get("text") or delta.get("content") or delta.get("tool_calls"):
+        return True
+    return "role" not in delta and choice.get("finish_reason") is None
 
 
 async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float,
@@ -177,7 +182,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 if chunk.get("usage"):
                     usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
                     result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
-                if not _chunk_text(chunk):
+                if not _brings_output(chunk):
                     continue
                 now = time.perf_counter() - t0
                 if chunks == 0:
@@ -187,12 +192,12 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: dict[str,
                 last, chunks = now, chunks + 1
         result.latency = time.perf_counter() - t0 - result.start
         result.output_tokens = usage_tokens or chunks
-        # A stream may finish with tokens but no text (special tokens, or bytes a random checkpoint never
-        # completes into a character): the request completed, but the client saw no token arrive.
+        # A stream may finish with tokens counted but no chunk of output (a server that sends no chunk for a token
+        # without text): the request completed, but the client saw no token arrive.
         result.textless = chunks == 0 and done and usage_tokens > 0
         result.ok = chunks > 0 or result.textless
         if not result.ok:
-            result.error = "no text in the stream"
+            result.error = "no output in the stream"
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
 
@@ -390,7 +395,8 @@ _METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_l
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    textless = (f" ({s['textless']} of them streamed no text: in the throughput and E2E, not the token times)"
+    textless = (f" ({s['textless']} of them streamed no output chunk: in the throughput and E2E, not the token "
+                f"times)"
                 if s.get("textless") else "")
     lines = [f"{s['completed']} requests completed{textless}, {s['failed']} failed, in {s['duration_s']:.2f} s",
              f"request throughput   {s['request_throughput']:.2f} req/s",

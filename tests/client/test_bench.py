@@ -22,9 +22,13 @@ class FakeServer:
     (503 after that) and shuts itself down after ``lifetime_s`` even if nobody stops it."""
 
     def __init__(self, usage: bool = True, fail_every: int = 0, max_requests: int = 64,
-                 lifetime_s: float = 60.0, metrics: bool = False, textless_every: int = 0) -> None:
+                 lifetime_s: float = 60.0, metrics: bool = False, silent_every: int = 0, empty_every: int = 0,
+                 role_and_finish: bool = False) -> None:
         self.usage, self.fail_every, self.metrics = usage, fail_every, metrics
-        self.textless_every = textless_every  # every k-th request's chunks carry no text (special tokens)
+        # every k-th request: no chunk for its tokens (a server that sends none for a token without text) / a chunk
+        # with empty text for each (as Stride sends one for a token that decodes to no text yet)
+        self.silent_every, self.empty_every = silent_every, empty_every
+        self.role_and_finish = role_and_finish  # chat's opening role chunk and a closing finish chunk, both empty
         self.max_requests, self.lifetime_s = max_requests, lifetime_s
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = self.max_in_flight = 0
@@ -49,12 +53,22 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = "messages" in body
-        textless = self.textless_every and len(self.bodies) % self.textless_every == 0
-        for i in range(body["max_tokens"]):
+        k = len(self.bodies)
+        silent = self.silent_every and k % self.silent_every == 0
+        empty = self.empty_every and k % self.empty_every == 0
+        if chat and self.role_and_finish:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            await resp.write(f"data: {json.dumps({'choices': [role]})}\n\n".encode())
+        for i in range(0 if silent else body["max_tokens"]):
             await asyncio.sleep(0.002)
-            text = "" if textless else f" t{i}"
+            text = "" if empty else f" t{i}"
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        if self.role_and_finish:
+            await asyncio.sleep(0.05)  # a closing chunk taken for a token would add this gap to the ITL
+            end = {"index": 0, "delta": {}, "finish_reason": "length"} if chat else {
+                "index": 0, "text": "", "finish_reason": "length"}
+            await resp.write(f"data: {json.dumps({'choices': [end]})}\n\n".encode())
         if self.usage and body.get("stream_options", {}).get("include_usage"):
             # a prompt's tokens: two a word (as a byte-level vocabulary might count them), and a chat template's 7
             text = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
@@ -178,11 +192,11 @@ def test_input_unit_tokens_sizes_prompts_from_the_servers_count(capsys: pytest.C
     assert len(server.bodies) == 1  # the first probe, and no load after it
 
 
-def test_a_stream_of_tokens_without_text_completes_without_token_times(capsys: pytest.CaptureFixture[str]) -> None:
-    """A request whose stream finished with the server counting its tokens but no text among them (a random
-    checkpoint's special tokens) completed: its tokens count in the throughput, and it gives no TTFT or TPOT. The
-    same stream without usage is a failure (the control: nothing says it generated anything)."""
-    with FakeServer(textless_every=3) as server:
+def test_a_stream_of_tokens_without_chunks_completes_without_token_times(capsys: pytest.CaptureFixture[str]) -> None:
+    """A request whose stream finished with the server counting its tokens but no chunk of output (a server that
+    sends none for a token without text) completed: its tokens count in the throughput, and it gives no TTFT or
+    TPOT. The same stream without usage is a failure (the control: nothing says it generated anything)."""
+    with FakeServer(silent_every=3) as server:
         args = _args("--base-url", server.url, "--num-requests", "6", "--output-len", "4", "--max-concurrency", "1")
         summary, results = asyncio.run(bench.run_benchmark(args))
     assert (summary["completed"], summary["failed"], summary["textless"]) == (6, 0, 2)
@@ -190,12 +204,26 @@ def test_a_stream_of_tokens_without_text_completes_without_token_times(capsys: p
     assert [r.textless for r in results] == [False, False, True] * 2
     assert all(r.ttft > 0 for r in results if not r.textless)
     assert summary["ttft_ms"]["p50"] > 0 and summary["e2e_latency_ms"]["p50"] > 0
-    assert "(2 of them streamed no text" in bench.format_summary(summary)
-    with FakeServer(textless_every=3, usage=False) as server:
+    assert "(2 of them streamed no output chunk" in bench.format_summary(summary)
+    with FakeServer(silent_every=3, usage=False) as server:
         args = _args("--base-url", server.url, "--num-requests", "6", "--output-len", "4", "--max-concurrency", "1")
         summary, _ = asyncio.run(bench.run_benchmark(args))
     assert (summary["completed"], summary["failed"], summary["textless"]) == (4, 2, 0)
-    assert summary["errors"] == ["no text in the stream"]
+    assert summary["errors"] == ["no output in the stream"]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_chunks_without_text_are_token_arrivals_and_role_and_finish_chunks_are_not(endpoint: str) -> None:
+    """Chunks with empty text (tokens that decode to nothing yet) time their tokens: every request of 5 tokens has
+    a TTFT and 4 gaps, whether its chunks carry text or not; the chat stream's opening role chunk and a closing
+    finish chunk (empty, 50 ms after the last token) are not taken for tokens (the control: either would add a gap,
+    the closing one a gap of 50 ms)."""
+    with FakeServer(empty_every=2, role_and_finish=True) as server:
+        args = _args("--base-url", server.url, "--endpoint", endpoint, "--num-requests", "4", "--output-len", "5",
+                     "--max-concurrency", "1")
+        summary, results = asyncio.run(bench.run_benchmark(args))
+    assert (summary["completed"], summary["failed"], summary["textless"]) == (4, 0, 0)
+    assert all(r.ttft > 0 and len(r.itl) == 4 and max(r.itl) < 0.04 for r in results), results
 
 
 def test_chat_poisson_and_counting_chunks_without_usage() -> None:
