@@ -357,12 +357,17 @@ def _tpots(ok: list[RequestResult]) -> list[float]:
     return [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
 
 
+def _timed(ok: list[RequestResult]) -> list[RequestResult]:
+    """The completed requests whose tokens were seen arriving: those the token times are taken over."""
+    return [r for r in ok if not r.textless]
+
+
 def summarize(results: list[RequestResult], duration: float, model: str,
               args: argparse.Namespace) -> dict[str, Any]:
     """Throughput and latency percentiles (ms) over the requests that succeeded (token times over those that
     streamed text)."""
     ok = [r for r in results if r.ok]
-    timed = [r for r in ok if not r.textless]
+    timed = _timed(ok)
     output_tokens = sum(r.output_tokens for r in ok)
     good = [r for r in timed if r.ttft * 1000 <= args.goodput_ttft_ms and (
         r.output_tokens <= 1 or 1000 * (r.latency - r.ttft) / (r.output_tokens - 1) <= args.goodput_tpot_ms)]
@@ -451,7 +456,7 @@ def write_plot(path: str, results: list[RequestResult], summary: dict[str, Any])
     """Four panels: TTFT, TPOT, ITL histograms and latency against request start time."""
     plt = _pyplot()
     ok = [r for r in results if r.ok]
-    timed = [r for r in ok if not r.textless]
+    timed = _timed(ok)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     panels = (("TTFT (ms)", [r.ttft * 1e3 for r in timed]),
               ("TPOT (ms)", [x * 1e3 for x in _tpots(timed)]),

@@ -104,6 +104,10 @@ def test_a_stream_is_checked_as_its_whole_answer() -> None:
     assert soak["check_body"]("/v1/chat/completions", chat, whole(stream), "chat") is None
     miscounted = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}
     assert soak["check_body"]("/v1/chat/completions", chat, whole(stream[:3] + [miscounted]), "chat") is not None
+    # a stop string split across two deltas is still found in the whole text
+    stopped = dict(chat, stop=["a b"])
+    assert soak["check_body"]("/v1/chat/completions", stopped, whole(stream), "chat") is not None
+    assert soak["check_body"]("/v1/chat/completions", dict(chat, stop=["ab"]), whole(stream), "chat") is None
 
 
 def test_the_soak_faults_an_error_status_on_every_path() -> None:
